@@ -1,0 +1,5 @@
+import sys
+
+from odma_hw.cli import main
+
+sys.exit(main())

@@ -1,0 +1,22 @@
+"""One exception tree for the whole project.
+
+The CLI maps BadArgument and DeviceUnavailable to exit status 2 (bad usage: the user named something
+that is not there or not valid) and DeviceError to exit status 3 (a device failed at run time).
+Every exception carries a one-line message fit to print as is.
+"""
+
+
+class OdmaError(Exception):
+    """Base of every error odma-hw raises on purpose."""
+
+
+class BadArgument(OdmaError, ValueError):
+    """An argument is malformed or out of range; nothing was changed."""
+
+
+class DeviceUnavailable(OdmaError):
+    """A device spec names a backend or device that this machine does not have (the reason says why)."""
+
+
+class DeviceError(OdmaError):
+    """A device or its runtime failed while working."""
