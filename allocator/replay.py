@@ -1,0 +1,516 @@
+"""`odma-hw replay`: iteration-level replay of a request-length trace through an allocator.
+
+Model (the one the paper's utilization figures assume): time advances in decode steps; at every
+step each running request generates one token, so a request admitted at the end of step s with
+prompt p holds p + k tokens at step s + k and completes at the end of step s + g (g = its
+generated length in the trace). Requests arrive at arrived_at (seconds, times --time-scale) or as
+a Poisson process at --rate (or all at step 0 when the trace has no arrival times); they wait in
+one FCFS queue and are admitted, in order, while the policy can reserve their block. A request
+that outgrows its block calls grow(), which migrates it; when that raises OutOfMemory the request
+is preempted (block freed, rerun from scratch at the head of the queue) and counted. No request is
+ever dropped: the replay ends when every request has completed.
+
+The replay is event driven: between two events (an arrival, a completion, a block outgrown)
+nothing changes but token counts, which it integrates in closed form, so a 30k-request trace
+takes seconds, not the ~10M Python steps a literal per-token loop would.
+
+Metrics
+- utilization: sum over requests of (prompt + generated) / sum of the capacity of the block the
+  request completed in (tokens): the paper's "total actual KV usage / total reserved".
+- time_avg_occupancy: reserved bytes / pool bytes, averaged over steps; time_avg_kv_fill: tokens
+  in use / pool tokens; time_avg_utilization: tokens in use / tokens reserved, averaged over steps.
+- mean/peak_concurrency: running requests per step; tokens_per_step: generated tokens / steps.
+- external_fragmentation_mean/max: sampled from the allocator; bucket_bounds_history: every
+  published bound tuple with the completion count it was published at.
+
+Memory: --device SPEC (default `host` when the native host backend is present, else `torch:cpu`)
+holds a real pool; migrations copy the bytes the request had written (its high-water mark) with
+Device.copy. `--device none` is an explicit accounting-only mode: offsets and sizes only, no
+memory, no copies (same allocation decisions, so the same metrics; migration_seconds is 0).
+"""
+
+from __future__ import annotations
+
+import collections
+import csv
+import heapq
+import json
+import math
+import os
+import sys
+import time
+
+import numpy as np
+
+from odma_hw.errors import BadArgument
+
+from allocator.baselines import POLICIES
+from allocator.core import LARGE, AllocatorConfig
+from allocator.errors import OutOfMemory
+from allocator.predictors import PREDICTORS, Request, make_predictor
+
+# KV bytes per token: 2 (K and V) x layers x KV heads x head dim x 2 B (bf16)
+MODELS = {
+    "qwen2.5-7b": 2 * 28 * 4 * 128 * 2,                   # 57,344; = DeepSeek-R1-Distill-Qwen-7B
+    "deepseek-r1-distill-qwen-7b": 2 * 28 * 4 * 128 * 2,
+    "llama-3-8b": 2 * 32 * 8 * 128 * 2,                   # 131,072
+    "llama-2-7b": 2 * 32 * 32 * 128 * 2,                  # 524,288 (no GQA)
+}
+GIB = 1 << 30
+
+
+class Trace:
+    """Token counts of a request trace: prompt[i], generated[i], arrival[i] (seconds or None)."""
+
+    def __init__(self, prompt, generated, arrival=None, name="trace"):
+        self.prompt = np.asarray(prompt, dtype=np.int64)
+        self.generated = np.asarray(generated, dtype=np.int64)
+        self.arrival = None if arrival is None else np.asarray(arrival, dtype=np.float64)
+        self.name = name
+        n = len(self.prompt)
+        if n == 0 or len(self.generated) != n or (self.arrival is not None and len(self.arrival) != n):
+            raise BadArgument(f"{name}: a trace needs the same, non-zero number of prompt, "
+                              f"generated (and arrival) values")
+        if (self.prompt < 0).any() or (self.generated < 0).any():
+            raise BadArgument(f"{name}: token counts must be >= 0")
+        if self.arrival is not None and not np.isfinite(self.arrival).all():
+            raise BadArgument(f"{name}: arrival times must be finite numbers")
+
+    def __len__(self):
+        return len(self.prompt)
+
+
+def load_trace(path) -> Trace:
+    """Read a trace CSV with columns num_prefill_tokens, num_decode_tokens [, arrived_at]."""
+    path = os.fspath(path)
+    try:
+        with open(path, newline="") as f:
+            rows = list(csv.DictReader(f))
+    except OSError as exc:
+        raise BadArgument(f"cannot read trace {path}: {exc.strerror or exc}") from None
+    if not rows:
+        raise BadArgument(f"trace {path} has no rows")
+    cols = rows[0].keys()
+    for need in ("num_prefill_tokens", "num_decode_tokens"):
+        if need not in cols:
+            raise BadArgument(f"trace {path} lacks column {need!r} (has {', '.join(cols)})")
+    try:
+        prompt = [int(float(r["num_prefill_tokens"])) for r in rows]
+        gen = [int(float(r["num_decode_tokens"])) for r in rows]
+        arrival = [float(r["arrived_at"]) for r in rows] if "arrived_at" in cols else None
+    except (TypeError, ValueError) as exc:
+        raise BadArgument(f"trace {path}: malformed number ({exc})") from None
+    return Trace(prompt, gen, arrival, name=os.path.basename(path))
+
+
+def _arrival_steps(trace: Trace, rate, time_scale, step_seconds, seed) -> np.ndarray:
+    n = len(trace)
+    if rate is not None:
+        if not rate > 0 or not math.isfinite(rate):
+            raise BadArgument(f"--rate must be a positive number of requests per second, got {rate}")
+        seconds = np.cumsum(np.random.default_rng(seed).exponential(1.0 / rate, n))
+    elif trace.arrival is not None:
+        seconds = (trace.arrival - trace.arrival.min()) * time_scale
+    else:
+        return np.zeros(n, dtype=np.int64)
+    return np.floor(seconds / step_seconds).astype(np.int64)
+
+
+def run_replay(trace, policy: str = "odma", predictor: str = "online", *,
+               model: str = "qwen2.5-7b", bytes_per_token: int | None = None,
+               pool_bytes: int = 6 * GIB, max_tokens: int | None = None, n_buckets: int = 8,
+               bucket_rule: str = "min-waste", bucket_basis: str = "generated", device="none",
+               rate: float | None = None,
+               time_scale: float = 1.0, step_seconds: float = 0.05, alpha: float = 1.0,
+               tau: float = 4.0, large_share: float = 0.1, noise_sigma: float = 0.3,
+               seed: int = 0, progress: bool = False, samples: int = 400) -> dict:
+    """Replay `trace` (a Trace or a CSV path) and return the metrics dict (see module doc).
+    device: a spec string, a Device, or "none"/None for accounting-only."""
+    t_wall = time.perf_counter()
+    if not isinstance(trace, Trace):
+        trace = load_trace(trace)
+    if policy not in POLICIES:
+        raise BadArgument(f"unknown policy {policy!r}: expected one of {', '.join(POLICIES)}")
+    if predictor not in PREDICTORS:
+        raise BadArgument(f"unknown predictor {predictor!r}: expected one of "
+                          f"{', '.join(PREDICTORS)}")
+    if bytes_per_token is None:
+        if model not in MODELS:
+            raise BadArgument(f"unknown model {model!r}: expected one of {', '.join(MODELS)}")
+        bytes_per_token = MODELS[model]
+    if not (step_seconds > 0 and time_scale > 0):
+        raise BadArgument("step_seconds and time_scale must be > 0")
+    prompt = trace.prompt.tolist()
+    gen = [max(1, g) for g in trace.generated.tolist()]   # every request makes >= 1 token
+    n = len(prompt)
+    longest = max(p + g for p, g in zip(prompt, gen))
+    max_tokens = longest if max_tokens is None else int(max_tokens)
+    if max_tokens < longest:
+        raise BadArgument(f"--max-tokens {max_tokens} is below the longest request of the trace "
+                          f"({longest} tokens): such requests could never complete")
+    if policy == "oracle":
+        predictor = "oracle"  # the oracle policy reserves the realized length by definition
+    config = AllocatorConfig(alpha=alpha, tau=tau, n_buckets=n_buckets, bucket_rule=bucket_rule,
+                             bucket_basis=bucket_basis, background_refresh=False,
+                             large_share=large_share)
+    dev = None if device in (None, "none") else device
+    alloc = POLICIES[policy](dev, int(pool_bytes), int(bytes_per_token), max_tokens, config)
+    try:
+        return _replay(trace, alloc, make_predictor(predictor, seed=seed) if predictor != "noisy"
+                       else PREDICTORS["noisy"](sigma=noise_sigma, seed=seed),
+                       prompt, gen, _arrival_steps(trace, rate, time_scale, step_seconds, seed),
+                       policy, predictor, samples, progress, t_wall,
+                       dict(model=model, bytes_per_token=bytes_per_token, max_tokens=max_tokens,
+                            pool_bytes=alloc.pool_bytes, n_buckets=n_buckets,
+                            bucket_rule=bucket_rule, bucket_basis=bucket_basis,
+                            alpha=alpha, tau=tau,
+                            large_share=large_share, step_seconds=step_seconds,
+                            time_scale=time_scale, rate=rate, seed=seed,
+                            noise_sigma=noise_sigma if predictor == "noisy" else None,
+                            device=None if alloc.device is None else alloc.device.spec))
+    finally:
+        alloc.close()
+
+
+def _replay(trace, alloc, pred, prompt, gen, arrive, policy, predictor, samples, progress,
+            t_wall, settings) -> dict:
+    n = len(prompt)
+    order = sorted(range(n), key=lambda i: (arrive[i], i))
+    arrive = arrive.tolist()
+    real_bytes = getattr(alloc, "_buffer", None) is not None
+    bpt = alloc.bytes_per_token
+    pool_tokens = alloc.pool_bytes / bpt
+
+    requests = [Request(i, prompt[i], gen[i]) for i in range(n)]
+    predicted: list = [None] * n           # (L, u) made once, before the first admission
+    start = [0] * n                        # admission step of the current attempt
+    cap = [0] * n                          # capacity (tokens) of the current block
+    epoch = [0] * n                        # bumps on preemption: stale events are skipped
+    first_admit = [-1] * n
+    went_large = [False] * n
+    overflowed = [False] * n
+    events: list = []                      # (step, kind 0 overflow / 1 finish, request, epoch)
+    waiting: collections.deque = collections.deque()
+
+    # running state integrated between events: A = sum(prompt - start), R = sum(cap)
+    n_run = 0
+    A = 0
+    R = 0
+    sum_conc = 0.0
+    sum_used = 0.0
+    sum_resv = 0.0
+    sum_util = 0.0
+    util_steps = 0
+    peak = 0
+    preemptions = 0
+    oom_events = 0
+    completed = 0
+    used_total = 0
+    reserved_total = 0
+    generated_total = 0
+    next_arrival = 0
+    t_last = arrive[order[0]] - 1          # last step integrated
+    first_step = arrive[order[0]]
+    frag_series: list = []
+    series: list = []
+    sample_every = max(1, n // max(1, samples))
+    next_sample = sample_every
+    last_progress = time.perf_counter()
+
+    def integrate(a: int, b: int) -> None:
+        """Account steps a..b (inclusive) with the running set unchanged."""
+        nonlocal sum_conc, sum_used, sum_resv, sum_util, util_steps
+        if b < a:
+            return
+        k = b - a + 1
+        sum_conc += n_run * k
+        sum_resv += R * k
+        used = A * k + n_run * (a + b) * k / 2
+        sum_used += used
+        if R:
+            sum_util += used / R
+            util_steps += k
+
+    def admit(T: int) -> None:
+        nonlocal n_run, A, R, peak
+        while waiting:
+            i = waiting[0]
+            if predicted[i] is None:
+                predicted[i] = pred.predict(requests[i])
+            L, u = predicted[i]
+            try:
+                blk = alloc.reserve(i, prompt[i], L, u)
+            except OutOfMemory:
+                if n_run == 0:
+                    raise BadArgument(f"request {i} ({prompt[i]} + {gen[i]} tokens) does not fit "
+                                      f"in an empty pool: enlarge --pool-gib") from None
+                return
+            waiting.popleft()
+            if first_admit[i] < 0:
+                first_admit[i] = T
+            if blk.bucket == LARGE:
+                went_large[i] = True
+            start[i] = T
+            cap[i] = c = blk.capacity_tokens
+            n_run += 1
+            if n_run > peak:
+                peak = n_run
+            A += prompt[i] - T
+            R += c
+            e = epoch[i]
+            if prompt[i] + gen[i] > c:
+                heapq.heappush(events, (T + c - prompt[i] + 1, 0, i, e))
+            heapq.heappush(events, (T + gen[i], 1, i, e))
+
+    while completed < n:
+        T = events[0][0] if events else None
+        if next_arrival < n:
+            ta = arrive[order[next_arrival]]
+            if T is None or ta < T:
+                T = ta
+        if T is None:
+            raise RuntimeError("replay stalled: requests wait but nothing runs")  # cannot happen
+        integrate(t_last + 1, T - 1)
+        batch = []
+        while events and events[0][0] == T:
+            batch.append(heapq.heappop(events))
+        # blocks outgrown at step T: grow before the token of step T is generated
+        for _, kind, i, e in batch:
+            if kind != 0 or e != epoch[i]:
+                continue
+            total = prompt[i] + T - start[i]
+            try:
+                if real_bytes:  # the KV written so far is what a migration must copy
+                    alloc.block(i).mark_written((total - 1) * bpt)
+                blk = alloc.grow(i, total)
+            except OutOfMemory:
+                oom_events += 1
+                preemptions += 1
+                alloc.release(i, preempted=True)
+                epoch[i] += 1
+                n_run -= 1
+                A -= prompt[i] - start[i]
+                R -= cap[i]
+                done = T - 1 - start[i]    # rerun it, knowing it makes more than that
+                L, u = predicted[i]
+                predicted[i] = (max(L, done + 1.0), u)
+                waiting.appendleft(i)
+                continue
+            overflowed[i] = True
+            if blk.bucket == LARGE:
+                went_large[i] = True
+            R += blk.capacity_tokens - cap[i]
+            cap[i] = c = blk.capacity_tokens
+            if prompt[i] + gen[i] > c:
+                heapq.heappush(events, (start[i] + c - prompt[i] + 1, 0, i, e))
+        integrate(T, T)
+        for _, kind, i, e in batch:
+            if kind != 1 or e != epoch[i]:
+                continue
+            alloc.release(i, gen[i])
+            pred.observe(requests[i], gen[i])
+            n_run -= 1
+            A -= prompt[i] - start[i]
+            R -= cap[i]
+            completed += 1
+            used_total += prompt[i] + gen[i]
+            reserved_total += cap[i]
+            generated_total += gen[i]
+        while next_arrival < n and arrive[order[next_arrival]] <= T:
+            waiting.append(order[next_arrival])
+            next_arrival += 1
+        admit(T)
+        t_last = T
+        if completed >= next_sample or completed == n:
+            next_sample += sample_every
+            frag = alloc.fragmentation()
+            frag_series.append(frag)
+            series.append((T, n_run, R / pool_tokens, frag))
+            if progress and time.perf_counter() - last_progress > 2:
+                last_progress = time.perf_counter()
+                print(f"replay {policy}/{predictor}: {completed}/{n} requests, step {T}, "
+                      f"{n_run} running, {len(waiting)} waiting", file=sys.stderr)
+
+    steps = t_last - first_step + 1
+    st = alloc.stats()
+    buckets = getattr(alloc, "buckets", None)
+    migrations = st.get("migrations", 0)
+    out = {
+        "schema": "odma-hw.replay/1",
+        "policy": policy,
+        "predictor": predictor,
+        "trace": trace.name,
+        "requests": n,
+        "completed": completed,
+        "lost": n - completed,
+        "utilization": used_total / reserved_total,
+        "migrations": migrations,
+        "migration_rate": migrations / n,
+        "migrated_bytes": st.get("migrated_bytes", 0),
+        "migration_seconds": st.get("migration_seconds", 0.0),
+        "oom_events": oom_events,
+        "preemptions": preemptions,
+        "overflowed_requests": sum(overflowed),
+        "large_bucket_requests": sum(went_large),
+        "bucket_accuracy": 1.0 - sum(overflowed) / n,
+        "mean_concurrency": sum_conc / steps,
+        "peak_concurrency": peak,
+        "steps": steps,
+        "tokens_per_step": generated_total / steps,
+        "mean_wait_steps": sum(first_admit[i] - arrive[i] for i in range(n)) / n,
+        "time_avg_occupancy": sum_resv / steps / pool_tokens,
+        "time_avg_kv_fill": sum_used / steps / pool_tokens,
+        "time_avg_utilization": sum_util / util_steps if util_steps else None,
+        "external_fragmentation_mean": float(np.mean(frag_series)) if frag_series else 0.0,
+        "external_fragmentation_max": float(np.max(frag_series)) if frag_series else 0.0,
+        "bucket_bounds": st.get("bucket_bounds"),
+        "bucket_bounds_history": ([{"completions": c, "bounds": list(b)}
+                                   for c, b in buckets.history] if buckets is not None else []),
+        "settings": settings,
+        "wall_seconds": None,
+        "series": [{"step": s, "running": r, "occupancy": o, "fragmentation": f}
+                   for s, r, o, f in series],
+    }
+    if "segments_per_request_mean" in st:
+        out["segments_per_request_mean"] = st["segments_per_request_mean"]
+        out["segments_per_request_max"] = st["segments_per_request_max"]
+    out["wall_seconds"] = time.perf_counter() - t_wall
+    return out
+
+
+def default_device() -> str:
+    """`host` when its backend finds a device here, else `torch:cpu`, else accounting-only."""
+    from odma_hw import devices
+
+    found = {s.backend: s.specs for s in devices.discover()}
+    if found.get("host"):
+        return "host"
+    if "torch:cpu" in found.get("torch", []):
+        return "torch:cpu"
+    return "none"
+
+
+def plot(result: dict, path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise BadArgument(f"--plot needs matplotlib ({exc}); pip install 'odma-hw[plot]'") from None
+    s = result["series"]
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+    steps = [x["step"] for x in s]
+    ax1.plot(steps, [x["occupancy"] for x in s], label="reserved / pool")
+    ax1.plot(steps, [x["fragmentation"] for x in s], label="external fragmentation")
+    ax1.set_ylim(0, 1.05)
+    ax1.legend(loc="lower right")
+    ax1.set_title(f"{result['trace']}: {result['policy']} ({result['predictor']}), "
+                  f"utilization {result['utilization']:.3f}")
+    ax2.plot(steps, [x["running"] for x in s], color="tab:green")
+    ax2.set_ylabel("running requests")
+    ax2.set_xlabel("decode step")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _cmd(args) -> int:
+    device = args.device or default_device()
+    result = run_replay(
+        args.trace, args.policy, args.predictor, model=args.model,
+        bytes_per_token=args.bytes_per_token, pool_bytes=int(args.pool_gib * GIB),
+        max_tokens=args.max_tokens, n_buckets=args.buckets, bucket_rule=args.bucket_rule,
+        bucket_basis=args.bucket_basis,
+        device=device, rate=args.rate, time_scale=args.time_scale,
+        step_seconds=args.step_seconds, alpha=args.alpha, tau=args.tau,
+        large_share=args.large_share, seed=args.seed, progress=not args.json or sys.stderr.isatty())
+    if args.plot:
+        plot(result, args.plot)
+    if args.json:
+        result = dict(result)
+        if not args.series:
+            result.pop("series")
+        print(json.dumps(result, indent=1))
+    else:
+        r = result
+        print(f"{r['trace']}: policy {r['policy']}, predictor {r['predictor']}, "
+              f"device {r['settings']['device'] or 'none (accounting only)'}")
+        print(f"  requests {r['requests']}, completed {r['completed']}, lost {r['lost']}")
+        print(f"  utilization (token-level) {r['utilization']:.4f}")
+        print(f"  migrations {r['migrations']} ({100 * r['migration_rate']:.2f} %), OutOfMemory "
+              f"events {r['oom_events']} (preempted and rerun)")
+        print(f"  concurrency mean {r['mean_concurrency']:.1f}, peak {r['peak_concurrency']}; "
+              f"tokens/step {r['tokens_per_step']:.1f}; occupancy {r['time_avg_occupancy']:.3f}")
+        print(f"  external fragmentation mean {r['external_fragmentation_mean']:.3f}, max "
+              f"{r['external_fragmentation_max']:.3f}")
+        if r["bucket_bounds"]:
+            print(f"  bucket bounds {r['bucket_bounds']} ({len(r['bucket_bounds_history'])} sets)")
+        if "segments_per_request_mean" in r:
+            print(f"  segments per request mean {r['segments_per_request_mean']:.1f}, max "
+                  f"{r['segments_per_request_max']}")
+        print(f"  {r['wall_seconds']:.1f} s")
+    return 0
+
+
+def _positive_float(text):
+    try:
+        v = float(text)
+    except ValueError:
+        raise BadArgument(f"not a number: {text!r}") from None
+    if not v > 0 or not math.isfinite(v):
+        raise BadArgument(f"must be a positive number: {text!r}")
+    return v
+
+
+def register(subparsers) -> None:
+    import argparse
+
+    def number(kind):
+        def parse(text):
+            try:
+                return kind(text)
+            except ValueError:
+                raise argparse.ArgumentTypeError(f"not a valid {kind.__name__}: {text!r}") from None
+        return parse
+
+    p = subparsers.add_parser(
+        "replay", help="replay a request-length trace through a KV allocation policy",
+        description=__doc__.split("\n\n")[0])
+    p.add_argument("--trace", required=True, help="CSV with num_prefill_tokens, num_decode_tokens "
+                   "[, arrived_at]")
+    p.add_argument("--policy", default="odma", choices=list(POLICIES))
+    p.add_argument("--predictor", default="online", choices=list(PREDICTORS),
+                   help="length predictor for odma/s3/oracle (default online)")
+    p.add_argument("--model", default="qwen2.5-7b", choices=list(MODELS),
+                   help="sets the KV bytes per token (default qwen2.5-7b: 57,344 B)")
+    p.add_argument("--bytes-per-token", type=number(int), default=None,
+                   help="KV bytes per token (overrides --model)")
+    p.add_argument("--pool-gib", type=number(float), default=6.0,
+                   help="KV pool size per device in GiB (default 6)")
+    p.add_argument("--max-tokens", type=number(int), default=None,
+                   help="max tokens per request (default: the longest request of the trace)")
+    p.add_argument("--buckets", type=number(int), default=8, help="regular buckets (default 8)")
+    p.add_argument("--bucket-rule", default="min-waste", choices=["min-waste", "occupancy"],
+                   help="min-waste (ours) or occupancy (the paper's equal-occupancy quantiles)")
+    p.add_argument("--bucket-basis", default="generated", choices=["generated", "footprint"],
+                   help="bounds count generated tokens (block = prompt + bound; the paper's "
+                        "Eq. 2) or whole KV footprints (block = bound)")
+    p.add_argument("--device", default=None,
+                   help="device holding the pool (default host, else torch:cpu); 'none' = "
+                        "accounting only: no memory, no copies, same metrics")
+    p.add_argument("--rate", type=number(float), default=None,
+                   help="Poisson arrivals at this many requests/s instead of arrived_at")
+    p.add_argument("--time-scale", type=number(float), default=1.0,
+                   help="multiply arrived_at by this (< 1 = more load)")
+    p.add_argument("--step-seconds", type=number(float), default=0.05,
+                   help="seconds per decode step (maps arrival times to steps)")
+    p.add_argument("--alpha", type=number(float), default=1.0, help="L' = L (1 + alpha u)")
+    p.add_argument("--tau", type=number(float), default=4.0, help="u > tau: large bucket")
+    p.add_argument("--large-share", type=number(float), default=0.1,
+                   help="pool share reserved for the large bucket")
+    p.add_argument("--seed", type=number(int), default=0)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--series", action="store_true", help="with --json: include the time series")
+    p.add_argument("--plot", metavar="PNG", help="plot occupancy, fragmentation, concurrency")
+    p.set_defaults(func=_cmd)

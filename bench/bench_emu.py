@@ -1,0 +1,90 @@
+"""Emulator throughput (pytest-benchmark; requests/s in extra_info). JIT warm-up happens before
+each measurement. The machine is shared: compare figures taken side by side.
+
+    .venv/bin/python -m pytest bench/bench_emu.py --benchmark-only -p no:cacheprovider
+"""
+
+import os
+import subprocess
+import sys
+import time
+
+import numba
+import numpy as np
+import pytest
+
+from odma_hw.emu import engine as E
+from odma_hw.emu import simulate
+from odma_hw.emu.mapping import address_map, decompose
+from odma_hw.emu.model import _options
+from odma_hw.emu.specs import derive, device_spec
+from odma_hw.emu.traces import generate
+
+
+def _one_channel_arrays(n):
+    dev = device_spec("lpddr5-6400")
+    tr = generate("rand", n, 64, footprint=dev.total_bytes, burst=32)
+    _, bank, row, bursts, wr = decompose(address_map(dev), tr.addr, tr.size, tr.write)
+    tp = E.pack(derive(dev.channel))
+    opt = _options(dev, "allbank", "open", "frfcfs", 32, False)
+    return tp, opt, bank, row, bursts, wr
+
+
+def test_engine_one_channel_random_64B(benchmark):
+    """Target: >= 2 M requests/s on one core (Ramulator 2.1: ~0.2-0.4 M here)."""
+    n = 1_000_000
+    tp, opt, bank, row, bursts, wr = _one_channel_arrays(n)
+    log = np.zeros((0, E.LOG_COLS), np.int64)
+
+    def run():
+        stats = np.zeros(E.N_S, np.int64)
+        hist = np.zeros(E.HIST_BINS, np.int64)
+        E.run_channel(tp, opt, bank, row, bursts, wr, stats, hist, log)
+        return stats
+
+    run()  # JIT / cache load
+    stats = benchmark.pedantic(run, rounds=5, iterations=1)
+    benchmark.extra_info["requests"] = n
+    benchmark.extra_info["requests_per_second"] = n / benchmark.stats.stats.min
+    benchmark.extra_info["efficiency"] = n * 64 / (stats[E.S_END] * 1.25) / 12.8
+
+
+def test_simulate_one_channel_random_64B(benchmark):
+    """Whole simulate(): trace generation excluded, address decomposition and engine included."""
+    simulate("lpddr5-6400", "rand", 64, 1000)
+    n = 1_000_000
+    s = benchmark.pedantic(lambda: simulate("lpddr5-6400", "rand", 64, n), rounds=3, iterations=1)
+    benchmark.extra_info["requests_per_second"] = s.requests_per_second
+    benchmark.extra_info["efficiency"] = s.efficiency
+
+
+def test_mlu370_x4_ten_million_random_64B(benchmark):
+    """Target: 10 M random 64 B requests on 24 channels in < 10 s on this 2-core machine."""
+    simulate("mlu370-x4", "rand", 64, 24_000)
+    threads = min(2, numba.config.NUMBA_NUM_THREADS)
+    n = 10_000_000
+    t0 = []
+
+    def run():
+        t0.append(time.perf_counter())
+        s = simulate("mlu370-x4", "rand", 64, n, threads=threads)
+        t0[-1] = time.perf_counter() - t0[-1]  # including trace generation
+        return s
+
+    s = benchmark.pedantic(run, rounds=1, iterations=1)
+    benchmark.extra_info["threads"] = threads
+    benchmark.extra_info["seconds_including_trace_generation"] = t0[-1]
+    benchmark.extra_info["requests_per_second"] = s.requests_per_second
+    benchmark.extra_info["efficiency"] = s.efficiency
+
+
+@pytest.mark.skipif(not os.path.exists(os.path.join(os.path.dirname(sys.executable), "odma-hw")),
+                    reason="odma-hw console script not installed in this environment")
+def test_second_emulate_start(benchmark):
+    """Target: a second `odma-hw emulate` (compiled code cached) completes in < 2 s."""
+    cmd = [os.path.join(os.path.dirname(sys.executable), "odma-hw"), "emulate", "--requests",
+           "1000", "--json"]
+    subprocess.run(cmd, check=True, capture_output=True)  # fills the cache if needed
+    benchmark.pedantic(lambda: subprocess.run(cmd, check=True, capture_output=True),
+                       rounds=3, iterations=1)
+    benchmark.extra_info["seconds"] = benchmark.stats.stats.min

@@ -1,0 +1,20 @@
+"""pytest configuration for the benchmarks in bench/.
+
+Benchmark modules are named bench_*.py (so `pytest tests` never picks them up); this hook makes
+`pytest bench` collect them. Run them with:
+
+    .venv/bin/python -m pytest bench --benchmark-only --benchmark-columns=min,median,max
+
+Bandwidth figures (GB = 1e9 B) are in each benchmark's extra_info (`--benchmark-json FILE` keeps
+them); the timing columns are whole calls, set-up included.
+"""
+
+import pytest
+
+
+def pytest_collect_file(file_path, parent):
+    # files named on the command line are collected by pytest itself; don't collect them twice
+    if (file_path.suffix == ".py" and file_path.name.startswith("bench_")
+            and not parent.session.isinitpath(file_path)):
+        return pytest.Module.from_parent(parent, path=file_path)
+    return None

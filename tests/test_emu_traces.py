@@ -1,0 +1,70 @@
+"""Trace generators and user traces (arrays, text files) with one-line errors."""
+
+import numpy as np
+import pytest
+
+from odma_hw.emu import from_arrays, generate, read_trace_file, simulate
+from odma_hw.errors import BadArgument
+
+MB = 1 << 20
+
+
+def test_generators_stay_aligned_and_inside_the_footprint():
+    for pattern in ("seq", "rand", "strided", "mixed", "paged", "kvscan"):
+        t = generate(pattern, 5000, 64, footprint=64 * MB, burst=32, seed=3)
+        assert len(t) == 5000 and (t.addr % 64 == 0).all()
+        assert t.addr.min() >= 0 and (t.addr + t.size).max() <= 64 * MB
+
+
+def test_pattern_shapes():
+    seq = generate("seq", 100, 64, footprint=MB, burst=32)
+    assert (np.diff(seq.addr) == 64).all()
+    paged = generate("paged", 1024, 64, footprint=64 * MB, burst=32, block_bytes=4096)
+    blocks = paged.addr.reshape(-1, 64)  # each 4 KiB block read in order
+    assert (np.diff(blocks, axis=1) == 64).all() and (blocks[:, 0] % 4096 == 0).all()
+    mixed = generate("mixed", 10000, 64, footprint=MB, burst=32)
+    assert 0.4 < mixed.write.mean() < 0.6
+    assert generate("rand", 1000, 64, footprint=MB, burst=32, write_ratio=1.0).write.all()
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(granule=48), "multiple of the 32-byte burst"),
+    (dict(write_ratio=1.5), r"write ratio must be in \[0, 1\]"),
+    (dict(pattern="zigzag"), "unknown pattern"),
+])
+def test_bad_generator_arguments(kwargs, match):
+    args = dict(pattern="rand", n=10, granule=64, footprint=MB, burst=32)
+    args.update(kwargs)
+    with pytest.raises(BadArgument, match=match):
+        generate(args.pop("pattern"), args.pop("n"), args.pop("granule"), **args)
+
+
+def test_text_trace(tmp_path):
+    p = tmp_path / "t.trace"
+    p.write_text("# address op [size]\n0x0 R\n\n4096 W 128\n0x2000 r  # comment\n")
+    t = read_trace_file(str(p), granule=64, burst=32, device_bytes=MB)
+    assert list(t.addr) == [0, 4096, 0x2000] and list(t.write) == [0, 1, 0] and list(t.size) == [64, 128, 64]
+    s = simulate("lpddr5-6400", trace=str(p), granularity=64)
+    assert s.requests == 3 and s.bytes == 256
+
+
+@pytest.mark.parametrize("text,match", [
+    ("0x0 R\nnot a line at all\n", "line 2: expected"),
+    ("0x0 X\n", "line 1: operation must be R or W"),
+    ("zz R\n", "line 1: bad address"),
+    ("0x0 R\n0x40000000 W\n", "line 2: address 0x40000000 \\+ 64 is beyond"),
+    ("0x10 R\n", "line 1: .*not aligned"),
+    ("", "has no requests"),
+])
+def test_bad_text_traces_name_the_line(tmp_path, text, match):
+    p = tmp_path / "bad.trace"
+    p.write_text(text)
+    with pytest.raises(BadArgument, match=match):
+        simulate("lpddr5-6400", trace=str(p), granularity=64)
+
+
+def test_array_traces():
+    t = from_arrays([0, 64, 1 << 20], [0, 1, 0], granule=64, burst=32, device_bytes=1 << 30)
+    assert simulate("lpddr5-6400", trace=t).requests == 3
+    with pytest.raises(BadArgument, match="request 1: address .* beyond"):
+        from_arrays([0, 1 << 40], granule=64, burst=32, device_bytes=1 << 30)
