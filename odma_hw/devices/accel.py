@@ -18,15 +18,13 @@ How each backend measures (details in the C files):
 
 from __future__ import annotations
 
-import threading
-import weakref
+import functools
 
 from odma_hw import native
-from odma_hw.devices.base import PATTERNS, Buffer, Device, DeviceInfo, Measurement
+from odma_hw.devices.base import Buffer, DeviceInfo, Measurement
+from odma_hw.devices.native_memory import PATTERN_CODES, NativeMemoryDevice
 from odma_hw.errors import BadArgument, DeviceError, DeviceUnavailable
 
-_PATTERN_CODES = {"read": 0, "copy": 1, "rand": 2}
-MIN_GRANULE = 8
 GIB = 1 << 30
 MIB = 1 << 20
 # per backend: the granule the RACM verdict is taken at (devices.md rule 7) and a display name
@@ -40,53 +38,7 @@ CUDA_RAND_TARGET_S = 0.005    # random reads reach a fraction of peak: 5 ms at p
 MLU_RAND_ACCESSES = 1 << 18
 
 
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-class _LiveBuffers:
-    """Device address -> size of every buffer not yet freed. Shared by the device and the
-    finalizers (it must not reference either), so each address is freed exactly once."""
-
-    def __init__(self, prefix: str, ordinal: int):
-        self.prefix, self.ordinal = prefix, ordinal
-        self.sizes: dict[int, int] = {}
-        self.lock = threading.Lock()
-
-    def add(self, addr: int, nbytes: int) -> None:
-        with self.lock:
-            self.sizes[addr] = nbytes
-
-    def live(self, addr: int) -> bool:
-        with self.lock:
-            return addr in self.sizes
-
-    def release(self, addr: int) -> bool:
-        """Free `addr` if it is live; False if it was not (already freed)."""
-        with self.lock:
-            if self.sizes.pop(addr, None) is None:
-                return False
-        native.call(f"odma_{self.prefix}_free", self.ordinal, addr)
-        return True
-
-    def release_all(self) -> None:
-        with self.lock:
-            addrs = list(self.sizes)
-        for addr in addrs:
-            try:
-                self.release(addr)
-            except Exception:  # noqa: BLE001 - also runs from finalizers; nothing else to do
-                pass
-
-
-def _release_quietly(live: _LiveBuffers, addr: int) -> None:
-    try:
-        live.release(addr)
-    except Exception:  # noqa: BLE001 - called from a finalizer
-        pass
-
-
-class NativeAccelDevice(Device):
+class NativeAccelDevice(NativeMemoryDevice):
     """One CUDA GPU (`prefix` "cuda") or one MLU (`prefix` "mlu") through the native shim."""
 
     alignment = 256  # cuMemAlloc and cnrtMalloc return at least 256-byte aligned memory
@@ -97,7 +49,6 @@ class NativeAccelDevice(Device):
         ffi, lib = native.require()
         self._ffi, self._lib = ffi, lib
         self._prefix, self._ordinal = prefix, ordinal
-        self._closed = False
         raw = self._query()
         cc = f"{raw.cc_major}.{raw.cc_minor}" if raw.cc_major else None
         self.info = DeviceInfo(
@@ -114,9 +65,7 @@ class NativeAccelDevice(Device):
                 "bus_width_bits": raw.bus_width_bits or None,
                 "peak_formula": "memory clock (kHz) x bus width (bits) / 8 x 2 (DDR)",
             })
-        self._live = _LiveBuffers(prefix, ordinal)
-        self._finalizers: dict[int, weakref.finalize] = {}
-        self._device_finalizer = weakref.finalize(self, _LiveBuffers.release_all, self._live)
+        self._init_memory(functools.partial(_free_device, prefix, ordinal))
 
     # -- helpers --------------------------------------------------------------------------------
     def _fn(self, what: str) -> str:
@@ -134,57 +83,15 @@ class NativeAccelDevice(Device):
         raw = self._query()
         return int(raw.free_bytes) or int(raw.total_bytes) or None
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise BadArgument(f"{self.spec} is closed")
-
-    def _check_live(self, buf: Buffer, offset, nbytes) -> None:
-        self._check_open()
-        if not isinstance(buf, Buffer):
-            raise BadArgument(f"expected a Buffer, got {type(buf).__name__}")
-        if not _is_int(offset) or not _is_int(nbytes):
-            raise BadArgument("offset and size must be integers")
-        self._check_range(buf, offset, nbytes)
-        if not self._live.live(buf.handle):  # freed through close()
-            raise BadArgument("buffer was already freed")
-
     # -- memory ---------------------------------------------------------------------------------
-    def alloc(self, nbytes: int) -> Buffer:
-        self._check_open()
-        if not _is_int(nbytes) or nbytes <= 0:
-            raise BadArgument(f"buffer size must be a positive integer, got {nbytes!r}")
-        free = self.free_bytes()
-        if free is not None and nbytes > free:
-            raise BadArgument(f"{nbytes} bytes requested but only {free} bytes are free on {self.spec}")
-        addr = self._alloc_raw(nbytes)
-        buf = Buffer(self, addr, nbytes)
-        # a buffer dropped without free() goes back to the device when it is collected
-        self._finalizers[addr] = weakref.finalize(buf, _release_quietly, self._live, addr)
-        return buf
-
     def _alloc_raw(self, nbytes: int) -> int:
         out = self._ffi.new("uint64_t *")
         native.call(self._fn("alloc"), self._ordinal, nbytes, out)
         self._live.add(int(out[0]), nbytes)
         return int(out[0])
 
-    def free(self, buf: Buffer) -> None:
-        if not isinstance(buf, Buffer) or buf.device is not self:
-            raise BadArgument(f"not a buffer of {self.spec}")
-        if buf.nbytes == 0 or not self._live.live(buf.handle):
-            raise BadArgument("buffer was already freed")
-        fin = self._finalizers.pop(buf.handle, None)
-        if fin is not None:
-            fin.detach()
-        if not self._live.release(buf.handle):
-            raise BadArgument("buffer was already freed")
-        buf.nbytes = 0
-
     def write(self, buf: Buffer, offset: int, data) -> None:
-        try:
-            view = memoryview(data).cast("B")
-        except TypeError:
-            raise BadArgument(f"data must be bytes-like and contiguous, got {type(data).__name__}") from None
+        view = self._bytes_view(data)
         self._check_live(buf, offset, view.nbytes)
         if view.nbytes:
             native.call(self._fn("write"), self._ordinal, buf.handle + offset,
@@ -244,39 +151,17 @@ class NativeAccelDevice(Device):
         (also on error or KeyboardInterrupt). `threads` is accepted for interface compatibility;
         the device's own parallelism is what is measured (max_threads is 1). `work_bytes`: useful
         bytes per repetition (default: sized per backend, see _default_work)."""
-        self._check_open()
-        if pattern not in PATTERNS:
-            raise BadArgument(f"unknown pattern {pattern!r}: expected one of {', '.join(PATTERNS)}")
-        if not _is_int(threads) or threads < 1:
-            raise BadArgument(f"threads must be a positive integer, got {threads!r}")
-        if not _is_int(reps) or not 1 <= reps <= 10000:
-            raise BadArgument(f"reps must be an integer in [1, 10000], got {reps!r}")
-        if not _is_int(seed) or not 0 <= seed < 1 << 64:
-            raise BadArgument(f"seed must be an integer in [0, 2**64), got {seed!r}")
-        if buffer_bytes is None:
-            buffer_bytes = self.default_buffer_bytes(pattern)
-        elif not _is_int(buffer_bytes) or buffer_bytes <= 0:
-            raise BadArgument(f"buffer size must be a positive integer, got {buffer_bytes!r}")
-        if buffer_bytes < 64:
-            raise BadArgument(f"buffer size must be at least 64 bytes, got {buffer_bytes}")
-        free = self.free_bytes()
-        if free is not None and buffer_bytes > free:
-            raise BadArgument(
-                f"a {buffer_bytes}-byte buffer is larger than the {free} bytes free on {self.spec}")
-        if not _is_int(granule) or granule < MIN_GRANULE or granule & (granule - 1) \
-                or granule > buffer_bytes:
-            raise BadArgument(f"granularity must be a power of two in [{MIN_GRANULE}, "
-                              f"{buffer_bytes}] (the buffer), got {granule!r}")
+        # threads is accepted for interface compatibility; the device parallelises by itself
+        buffer_bytes = self._measure_args(pattern, granule, threads, reps, seed, buffer_bytes,
+                                          work_bytes, max_threads=1 << 16)
         if work_bytes is None:
             work_bytes = self._default_work(pattern, granule, buffer_bytes)
-        elif not _is_int(work_bytes) or work_bytes < 0:
-            raise BadArgument(f"work_bytes must be a non-negative integer, got {work_bytes!r}")
 
         out = self._ffi.new("odma_result *")
         addr = self._alloc_raw(buffer_bytes)
         try:
             native.call(self._fn("measure"), self._ordinal, addr, buffer_bytes,
-                        _PATTERN_CODES[pattern], granule, reps, work_bytes, seed, out)
+                        PATTERN_CODES[pattern], granule, reps, work_bytes, seed, out)
         finally:  # also on KeyboardInterrupt: the buffer never outlives the call
             self._live.release(addr)
         if out.best_s <= 0:
@@ -304,19 +189,12 @@ class NativeAccelDevice(Device):
             bytes=float(out.bytes), best_s=float(out.best_s), median_s=float(out.median_s),
             worst_s=float(out.worst_s), reps=int(out.reps), method=method, extra=extra)
 
-    def close(self) -> None:
-        """Free every live buffer (idempotent); the device cannot be used afterwards."""
-        if self._closed:
-            return
-        self._closed = True
-        for fin in self._finalizers.values():
-            fin.detach()
-        self._finalizers.clear()
-        self._live.release_all()
-        self._device_finalizer.detach()
-
 
 # ----------------------------------------------------------------------------- backend functions
+
+def _free_device(prefix: str, ordinal: int, addr: int, nbytes: int) -> None:
+    native.call(f"odma_{prefix}_free", ordinal, addr)
+
 
 def device_count(prefix: str) -> tuple[int, str | None]:
     """(number of devices, None) or (0, why none): never raises."""

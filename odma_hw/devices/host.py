@@ -11,17 +11,14 @@ from __future__ import annotations
 import ast
 import os
 import pathlib
-import threading
 import time
-import weakref
 
 from odma_hw import native
-from odma_hw.devices.base import PATTERNS, Buffer, Device, DeviceInfo, Measurement
+from odma_hw.devices.base import Buffer, DeviceInfo, Measurement
+from odma_hw.devices.native_memory import PATTERN_CODES, NativeMemoryDevice
 from odma_hw.errors import BadArgument, DeviceError
 
-_PATTERN_CODES = {"read": 0, "copy": 1, "rand": 2}
 MAX_THREADS = 256            # the shim's limit
-MIN_GRANULE = 8
 GIB = 1 << 30
 HUGE_PAGE = 2 << 20
 # Random reads: 1 GiB on huge pages (devices.md rule 1; larger footprints measure the TLB).
@@ -103,54 +100,9 @@ def compiler_flags() -> str:
     return "unknown"
 
 
-# ----------------------------------------------------------------------------- live buffers
-
-class _LiveBuffers:
-    """Address -> size of every buffer not yet returned to the OS. Shared by the device and the
-    finalizers (it must not reference either), so each address is freed exactly once."""
-
-    def __init__(self):
-        self.sizes: dict[int, int] = {}
-        self.lock = threading.Lock()
-
-    def add(self, addr: int, nbytes: int) -> None:
-        with self.lock:
-            self.sizes[addr] = nbytes
-
-    def release(self, addr: int) -> bool:
-        """Free `addr` if it is live; False if it was not (already freed)."""
-        with self.lock:
-            nbytes = self.sizes.pop(addr, None)
-        if nbytes is None:
-            return False
-        ffi, _ = native.require()
-        native.call("odma_host_free", ffi.cast("void *", addr), nbytes)
-        return True
-
-    def release_all(self) -> None:
-        with self.lock:
-            addrs = list(self.sizes)
-        for addr in addrs:
-            try:
-                self.release(addr)
-            except Exception:  # noqa: BLE001 - finalizers must not raise; nothing else to do
-                pass
-
-
-def _release_quietly(live: _LiveBuffers, addr: int) -> None:
-    try:
-        live.release(addr)
-    except Exception:  # noqa: BLE001 - called from a finalizer
-        pass
-
-
 # ----------------------------------------------------------------------------- the device
 
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-class HostDevice(Device):
+class HostDevice(NativeMemoryDevice):
     """Host DRAM. Buffers are 2 MiB aligned (the advertised `alignment` is the 64-byte line);
     copies use the multi-threaded streaming copier; measure() allocates its own buffer."""
 
@@ -159,9 +111,6 @@ class HostDevice(Device):
     def __init__(self):
         ffi, lib = native.require()
         self._ffi, self._lib = ffi, lib
-        self._live = _LiveBuffers()
-        self._finalizers: dict[int, weakref.finalize] = {}
-        self._closed = False
         self._cpu = cpu_model()
         threads = os.cpu_count() or 1
         self.info = DeviceInfo(
@@ -169,63 +118,27 @@ class HostDevice(Device):
             free_bytes=mem_available(), peak_gbps=None, natural_granule=64,
             max_threads=threads,
             details={"llc_reported_bytes": llc_reported_bytes(), "compiler_flags": compiler_flags()})
-        self._device_finalizer = weakref.finalize(self, _LiveBuffers.release_all, self._live)
+        self._init_memory(_free_host)
 
     # -- memory ---------------------------------------------------------------------------------
-    def _check_open(self) -> None:
-        if self._closed:
-            raise BadArgument("the host device is closed")
-
     def _threads_for_touch(self) -> int:
         return max(1, min(self.info.max_threads, MAX_THREADS))
 
-    def alloc(self, nbytes: int) -> Buffer:
-        self._check_open()
-        if not _is_int(nbytes) or nbytes <= 0:
-            raise BadArgument(f"buffer size must be a positive integer, got {nbytes!r}")
-        available = mem_available()
-        if nbytes > available:
-            raise BadArgument(f"{nbytes} bytes requested but only {available} bytes are available")
+    def free_bytes(self) -> int:
+        return mem_available()
+
+    def _alloc_raw(self, nbytes: int) -> int:
         ptr = self._ffi.new("void **")
         native.call("odma_host_alloc", nbytes, self._threads_for_touch(), ptr)
         addr = int(self._ffi.cast("uintptr_t", ptr[0]))
         self._live.add(addr, nbytes)
-        buf = Buffer(self, addr, nbytes)
-        # a buffer dropped without free() goes back to the OS when it is collected
-        if len(self._finalizers) > 2 * len(self._live.sizes) + 64:  # forget those that ran
-            self._finalizers = {a: f for a, f in self._finalizers.items() if f.alive}
-        self._finalizers[addr] = weakref.finalize(buf, _release_quietly, self._live, addr)
-        return buf
-
-    def free(self, buf: Buffer) -> None:
-        if not isinstance(buf, Buffer) or buf.device is not self:
-            raise BadArgument("not a buffer of this host device")
-        if buf.nbytes == 0 or buf.handle not in self._live.sizes:
-            raise BadArgument("buffer was already freed")
-        fin = self._finalizers.pop(buf.handle, None)
-        if fin is not None:
-            fin.detach()
-        if not self._live.release(buf.handle):
-            raise BadArgument("buffer was already freed")
-        buf.nbytes = 0
+        return addr
 
     def _ptr(self, buf: Buffer, offset: int):
         return self._ffi.cast("char *", buf.handle + offset)
 
-    def _check_live(self, buf: Buffer, offset, nbytes) -> None:
-        if not isinstance(buf, Buffer):
-            raise BadArgument(f"expected a Buffer, got {type(buf).__name__}")
-        if not _is_int(offset) or not _is_int(nbytes):
-            raise BadArgument("offset and size must be integers")
-        self._check_range(buf, offset, nbytes)
-        if buf.handle not in self._live.sizes:  # freed through close()
-            raise BadArgument("buffer was already freed")
-
     def write(self, buf: Buffer, offset: int, data) -> None:
-        try:
-            view = memoryview(data).cast("B")
-        except TypeError:
-            raise BadArgument(f"data must be bytes-like and contiguous, got {type(data).__name__}") from None
+        view = self._bytes_view(data)
         self._check_live(buf, offset, view.nbytes)
         if view.nbytes:
             self._ffi.memmove(self._ptr(buf, offset), view, view.nbytes)
@@ -266,31 +179,10 @@ class HostDevice(Device):
         freed before returning (also on error or KeyboardInterrupt). `granule` matters for 'rand'
         only but is validated for every pattern. `work_bytes`: useful bytes per repetition
         (default: one pass for read/copy, 256 MiB of granules for rand)."""
-        self._check_open()
-        if pattern not in PATTERNS:
-            raise BadArgument(f"unknown pattern {pattern!r}: expected one of {', '.join(PATTERNS)}")
-        if not _is_int(threads) or not 1 <= threads <= MAX_THREADS:
-            raise BadArgument(f"threads must be an integer in [1, {MAX_THREADS}], got {threads!r}")
-        if not _is_int(reps) or reps < 1:
-            raise BadArgument(f"reps must be a positive integer, got {reps!r}")
-        if not _is_int(seed) or not 0 <= seed < 1 << 64:
-            raise BadArgument(f"seed must be an integer in [0, 2**64), got {seed!r}")
-        if buffer_bytes is None:
-            buffer_bytes = self.default_buffer_bytes(pattern)
-        elif not _is_int(buffer_bytes) or buffer_bytes <= 0:
-            raise BadArgument(f"buffer size must be a positive integer, got {buffer_bytes!r}")
-        available = mem_available()
-        if buffer_bytes > available:
-            raise BadArgument(
-                f"a {buffer_bytes}-byte buffer is larger than the {available} bytes available")
-        if not _is_int(granule) or granule < MIN_GRANULE or granule & (granule - 1) \
-                or granule > buffer_bytes:
-            raise BadArgument(f"granularity must be a power of two in [{MIN_GRANULE}, "
-                              f"{buffer_bytes}] (the buffer), got {granule!r}")
+        buffer_bytes = self._measure_args(pattern, granule, threads, reps, seed, buffer_bytes,
+                                          work_bytes, MAX_THREADS)
         if work_bytes is None:
             work_bytes = RAND_WORK_BYTES if pattern == "rand" else 0
-        elif not _is_int(work_bytes) or work_bytes < 0:
-            raise BadArgument(f"work_bytes must be a non-negative integer, got {work_bytes!r}")
 
         loadavg = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
         ffi = self._ffi
@@ -300,7 +192,7 @@ class HostDevice(Device):
             huge = ffi.new("size_t *")
             native.call("odma_host_huge_bytes", ptr[0], buffer_bytes, huge)
             out = ffi.new("odma_result *")
-            native.call("odma_host_measure", ptr[0], buffer_bytes, _PATTERN_CODES[pattern],
+            native.call("odma_host_measure", ptr[0], buffer_bytes, PATTERN_CODES[pattern],
                         granule, threads, reps, work_bytes, seed, out)
         finally:  # also on KeyboardInterrupt: the buffer never outlives the call
             if ptr[0] != ffi.NULL:
@@ -332,16 +224,10 @@ class HostDevice(Device):
             bytes=out.bytes, best_s=out.best_s, median_s=out.median_s, worst_s=out.worst_s,
             reps=out.reps, method=ffi.string(out.method).decode(), extra=extra)
 
-    def close(self) -> None:
-        """Free every live buffer (idempotent); the device cannot be used afterwards."""
-        if self._closed:
-            return
-        self._closed = True
-        for fin in self._finalizers.values():
-            fin.detach()
-        self._finalizers.clear()
-        self._live.release_all()
-        self._device_finalizer.detach()
+
+def _free_host(addr: int, nbytes: int) -> None:
+    ffi, _ = native.require()
+    native.call("odma_host_free", ffi.cast("void *", addr), nbytes)
 
 
 def discover():

@@ -4,11 +4,11 @@ index_select of G-byte rows, which is a real kernel-driven gather on accelerator
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
 
 from odma_hw.devices.base import Buffer, Device, DeviceInfo, Measurement
+from odma_hw.devices.host import mem_available
 from odma_hw.errors import BadArgument, DeviceError, DeviceUnavailable
 
 try:
@@ -62,17 +62,6 @@ def open_device(arg: str) -> "TorchDevice":
     return TorchDevice(dev)
 
 
-def _mem_available() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-
-
 class TorchDevice(Device):
     alignment = 256  # what the CUDA caching allocator and most device kernels assume
 
@@ -80,7 +69,7 @@ class TorchDevice(Device):
         self.dev = dev
         self._mod = None if dev.type == "cpu" else getattr(torch, dev.type)
         if self._mod is None:
-            total = free = _mem_available()
+            total = free = mem_available()
             name = "torch CPU tensors"
         else:
             free, total = self._mod.mem_get_info(dev)
@@ -94,7 +83,7 @@ class TorchDevice(Device):
     # -- memory ------------------------------------------------------------------------------
     def _free_bytes(self) -> int:
         if self._mod is None:
-            return _mem_available()
+            return mem_available()
         return int(self._mod.mem_get_info(self.dev)[0])
 
     def alloc(self, nbytes: int) -> Buffer:

@@ -321,9 +321,9 @@ def run_channel(tp, opt, bank_of, row_of, bursts_of, write_of, stats, hist, log)
             fill = ds_last + half - lat if split_burst else np.int64(-1)
             after = ds_last + nBURST - lat if split_burst else -_INF
             gap_ok = split_burst and ds_gap
-            # three branch-free passes over the banks (LLVM vectorises them): each list's key,
-            # the smallest key, the oldest request among those with it. Same choice as a
-            # lexicographic min of (key, age); ages are unique trace indices.
+            # two branch-free passes over the banks (LLVM vectorises them): each list's key and
+            # the smallest key, then the oldest request among the lists with it. The same choice
+            # as a lexicographic min of (key, age); ages are unique trace indices.
             r_act, r_pre, r_col = R[K_ACT], R[K_PRE], R[kcol]
             kmin = _INF
             for j in range(nb):
