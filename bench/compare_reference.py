@@ -1,12 +1,14 @@
 """Host kernels versus independent references, side by side in one run (issue 2 targets).
 
     .venv/bin/python bench/compare_reference.py [--rounds 3] [--size-mb 1000] [--json] [--json-out F]
+    .venv/bin/python bench/compare_reference.py --rand-only --rounds 7 --rand-granules 32,64,128,256
 
 Compares, on the same buffer size and thread count:
   - sequential read (odma_host_measure 'read')  with `likwid-bench -t load_avx`   (target >= 0.9x)
   - sequential copy (odma_host_measure 'copy')  with `likwid-bench -t copy_avx`   (target >= 0.9x)
     and, for information, `likwid-bench -t copy_mem_avx` (non-temporal stores, like ours)
-  - random 64 B reads at 2 threads with bench/reference/rand_ref.c, compiled here (within 15 %)
+  - random 64 B reads at 2 threads with bench/reference/rand_ref.c, compiled here (within 15 %);
+    other granules (--rand-granules) and 1 thread for information
 
 Conventions, so the ratios compare like with like:
   - GB = 1e9 B on both sides; likwid's `MByte/s` is 1e6 B/s and its `-w S0:<size>:<threads>` size
@@ -17,7 +19,8 @@ Conventions, so the ratios compare like with like:
   - likwid reports the mean over its iterations (about 1 s of running). odma reports best and median
     of its repetitions; the verdict uses odma's *median* (best-of-rounds), the more conservative.
   - Every comparison runs `--rounds` times, alternating the two sides, and keeps each side's best
-    round, so a burst of load from other processes does not decide a ratio. `ratio` is odma's best
+    round, so a burst of load from other processes does not decide a ratio. Rounds alternate which
+    side runs first (ABBA), so a drift in background load does not favour one side. `ratio` is odma's best
     median over the reference's best median (the verdict), `(best)` compares best repetitions, and
     `(round)` is the median of the per-round ratios.
   - likwid allocates with posix_memalign: with THP in `madvise` mode its buffers get 4 KiB pages,
@@ -95,8 +98,8 @@ def build_rand_ref(workdir: str) -> str:
     return exe
 
 
-def rand_ref(exe: str, mib: int, threads: int, reps: int, work_mib: int) -> dict:
-    cmd = [exe, str(mib), str(threads), "64", str(reps), str(work_mib)]
+def rand_ref(exe: str, mib: int, threads: int, granule: int, reps: int, work_mib: int) -> dict:
+    cmd = [exe, str(mib), str(threads), str(granule), str(reps), str(work_mib)]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     fields = dict(kv.split("=", 1) for kv in out.split()[1:])
     nbytes = float(fields["bytes"])
@@ -105,8 +108,9 @@ def rand_ref(exe: str, mib: int, threads: int, reps: int, work_mib: int) -> dict
             "huge_fraction": float(fields["huge"]), "command": " ".join(cmd)}
 
 
-def ours(dev, pattern: str, threads: int, size_bytes: int, reps: int, work_bytes=None) -> dict:
-    m = dev.measure(pattern, 64, threads, buffer_bytes=size_bytes, reps=reps,
+def ours(dev, pattern: str, threads: int, size_bytes: int, reps: int, work_bytes=None,
+         granule: int = 64) -> dict:
+    m = dev.measure(pattern, granule, threads, buffer_bytes=size_bytes, reps=reps,
                     work_bytes=work_bytes)
     return {"gbps": m.gbps, "median_gbps": m.median_gbps, "method": m.method,
             "huge_fraction": m.extra["huge_page_fraction"]}
@@ -148,7 +152,12 @@ def main(argv=None) -> int:
     ap.add_argument("--rand-mib", type=int, default=1024,
                     help="random-read footprint in MiB, a power of two (default 1024)")
     ap.add_argument("--rand-work-mib", type=int, default=256,
-                    help="MiB of 64 B granules read per repetition (default 256)")
+                    help="MiB of granules read per repetition (default 256)")
+    ap.add_argument("--rand-granules", default="64",
+                    help="comma-separated granules in bytes for the random rows (default 64; the "
+                         "target applies to 64 B at 2 threads, the others are for information)")
+    ap.add_argument("--rand-only", action="store_true",
+                    help="only the random-read rows (skip the likwid read/copy comparisons)")
     ap.add_argument("--rounds", type=int, default=3, help="alternating rounds per comparison")
     ap.add_argument("--small-pages", action="store_true",
                     help="also run the shim's read and copy on a plain mmap (4 KiB pages like "
@@ -159,20 +168,30 @@ def main(argv=None) -> int:
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     ap.add_argument("--json-out", metavar="PATH", help="also write the JSON object to PATH")
     args = ap.parse_args(argv)
+    try:
+        granules = [int(g) for g in args.rand_granules.split(",")]
+    except ValueError:
+        ap.error(f"--rand-granules takes comma-separated integers, got {args.rand_granules!r}")
+    if any(g < 8 or g & (g - 1) for g in granules) or args.rounds < 1 or args.reps < 1:
+        ap.error("granules must be powers of two >= 8; --rounds and --reps at least 1")
 
     size = args.size_mb * 1_000_000
-    have_likwid = shutil.which(args.likwid) is not None
+    have_likwid = not args.rand_only and shutil.which(args.likwid) is not None
     dev = host_backend.open_device("")
     rows, notes = [], []
-    if not have_likwid:
+    if not have_likwid and not args.rand_only:
         notes.append(f"likwid-bench not found ({args.likwid}): the read and copy comparisons are "
                      "skipped; install it with `apt-get install likwid`")
 
     def compare(name, threads, mine, theirs, reference, pattern, info_only=False):
         our_runs, ref_runs = [], []
-        for _ in range(args.rounds):
-            our_runs.append(mine())
-            ref_runs.append(theirs())
+        for i in range(args.rounds):
+            if i % 2 == 0:
+                our_runs.append(mine())
+                ref_runs.append(theirs())
+            else:
+                ref_runs.append(theirs())
+                our_runs.append(mine())
         for run in ref_runs:
             run.setdefault("median_gbps", run["gbps"])  # likwid's figure is already a mean
         o, r = best_of(our_runs, "median_gbps"), best_of(ref_runs)
@@ -219,11 +238,13 @@ def main(argv=None) -> int:
                                     lambda: likwid(args.likwid, test, size, t),
                                     f"likwid-bench {test}", pattern, info_only=True)
                 rand_bytes = args.rand_mib << 20
-                compare("rand 64 B", t,
-                        lambda: ours(dev, "rand", t, rand_bytes, args.reps,
-                                     work_bytes=args.rand_work_mib << 20),
-                        lambda: rand_ref(ref_exe, args.rand_mib, t, args.reps, args.rand_work_mib),
-                        "bench/reference/rand_ref.c", "rand", info_only=t != 2)
+                for g in granules:
+                    compare(f"rand {g} B", t,
+                            lambda: ours(dev, "rand", t, rand_bytes, args.reps,
+                                         work_bytes=args.rand_work_mib << 20, granule=g),
+                            lambda: rand_ref(ref_exe, args.rand_mib, t, g, args.reps,
+                                             args.rand_work_mib),
+                            "bench/reference/rand_ref.c", "rand", info_only=t != 2 or g != 64)
     finally:
         dev.close()
 
@@ -232,6 +253,7 @@ def main(argv=None) -> int:
         "environment": {"cpu": host_backend.cpu_model(), "cpus": os.cpu_count(),
                         "thp": thp_mode(), "loadavg": os.getloadavg(),
                         "stream_bytes": size, "rand_bytes": args.rand_mib << 20,
+                        "rand_granules": granules, "rand_work_bytes": args.rand_work_mib << 20,
                         "rounds": args.rounds, "reps": args.reps,
                         "compiler_flags": host_backend.compiler_flags()},
         "rows": rows, "notes": notes,

@@ -188,7 +188,7 @@ def test_measure_counts_bytes_by_convention_and_records_its_environment(dev):
     assert c.bytes == 2 * ((16 * MIB + 200) // 2 // 64 * 64)  # read + write of the half
     r = dev.measure("rand", 256, 1, buffer_bytes=16 * MIB, reps=5, work_bytes=3 * MIB + 1)
     assert r.bytes == (3 * MIB + 1) // 256 * 256
-    assert r.method == "rand-xorshift-8way"
+    assert r.method == "rand-mcg-8way"
 
 
 def test_measure_reports_more_threads_than_cpus(dev):

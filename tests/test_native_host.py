@@ -283,7 +283,7 @@ def test_copy_measurement_really_copies(mbuf):
 def test_random_reads_count_granule_times_accesses(mbuf, granule):
     out = measure(mbuf, RAND, granule=granule, threads=2, work=4 * MIB)
     assert out.bytes == 4 * MIB // granule * granule
-    assert ffi.string(out.method).decode() == "rand-xorshift-8way"
+    assert ffi.string(out.method).decode() == "rand-mcg-8way"
     # no work size: one buffer's worth of granules
     assert measure(mbuf, RAND, granule=granule, nbytes=MIB, reps=1).bytes == MIB
 

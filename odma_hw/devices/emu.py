@@ -137,16 +137,11 @@ class EmuDevice(Device):
         sim = min(nbytes, COPY_SIM_BYTES)
         sim = max(g, sim // g * g)
         offs = np.arange(0, sim, g, dtype=np.int64)
-        tile = max(1, COPY_TILE // g)
-        ntile = -(-offs.size // tile)
-        pad = ntile * tile - offs.size
-        o = np.concatenate([offs, np.full(pad, -1, np.int64)]).reshape(ntile, tile)
-        src_a = (src_addr // g * g) + o
-        dst_a = (dst_addr // g * g) + o
-        addr = np.stack([src_a, dst_a], axis=1).reshape(-1)
-        write = np.stack([np.zeros_like(o), np.ones_like(o)], axis=1).reshape(-1).astype(np.uint8)
-        keep = addr >= 0
-        addr, write = addr[keep], write[keep]
+        # each tile of COPY_TILE bytes is read, then written: sort reads and writes by tile
+        tile = (offs // COPY_TILE) * 2
+        order = np.argsort(np.concatenate([tile, tile + 1]), kind="stable")
+        addr = np.concatenate([src_addr // g * g + offs, dst_addr // g * g + offs])[order]
+        write = np.repeat(np.array([0, 1], np.uint8), offs.size)[order]
         addr = np.minimum(addr, self.dev.total_bytes - g)
         tr = Trace(addr, np.full(addr.size, g, np.int64), write)
         s = simulate(self.preset, trace=tr, granularity=g)

@@ -108,9 +108,11 @@ def _decompose(addr, size, write, kind, nch, gran_shift, burst_shift, chunk_bits
     seg_shift = min(gran_shift, burst_shift + run_bits)
     seg = np.int64(1) << seg_shift
     fill = offsets.copy()
+    burst_mask = (np.int64(1) << burst_shift) - 1
     for i in range(addr.shape[0]):
-        a = addr[i]
-        stop = a + size[i]
+        # the device moves whole bursts: an unaligned request costs every burst it touches
+        a = addr[i] & ~burst_mask
+        stop = (addr[i] + size[i] + burst_mask) & ~burst_mask
         pch, pb, pr = -1, -1, -1
         k = -1
         while a < stop:
