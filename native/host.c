@@ -438,6 +438,10 @@ RAND_FIXED(32)
 RAND_FIXED(64)
 RAND_FIXED(128)
 RAND_FIXED(256)
+RAND_FIXED(512)
+RAND_FIXED(1024)
+RAND_FIXED(2048)
+RAND_FIXED(4096)
 #undef RAND_FIXED
 
 static uint64_t rand_kernel(const measure_ctx *c, worker *w)
@@ -453,7 +457,11 @@ static uint64_t rand_kernel(const measure_ctx *c, worker *w)
     case 64: return rand_run_64(c->buf, span, n, w->rng);
     case 128: return rand_run_128(c->buf, span, n, w->rng);
     case 256: return rand_run_256(c->buf, span, n, w->rng);
-    default: return rand_run(c->buf, span, c->granule, n, w->rng);  /* 512 B and up: a loop */
+    case 512: return rand_run_512(c->buf, span, n, w->rng);
+    case 1024: return rand_run_1024(c->buf, span, n, w->rng);
+    case 2048: return rand_run_2048(c->buf, span, n, w->rng);
+    case 4096: return rand_run_4096(c->buf, span, n, w->rng);
+    default: return rand_run(c->buf, span, c->granule, n, w->rng);  /* 8 KiB and up: a loop */
     }
 }
 
