@@ -12,7 +12,7 @@ from cffi import FFI
 NATIVE = pathlib.Path(__file__).resolve().parent
 HEADER = NATIVE / "odma.h"
 # one small file per backend; the order only matters for readability of build logs
-SOURCES = ["host.c", "copier.c", "cuda.c", "cnrt.c"]
+SOURCES = ["common.c", "host.c", "copier.c", "cuda.c", "cnrt.c"]
 
 
 def _cdef() -> str:

@@ -36,7 +36,7 @@
 #include <string.h>
 #include <time.h>
 
-#include "odma.h"
+#include "common.h"
 
 /* ---- the slice of cnrt.h the shim uses (devices.md) ---- */
 typedef int cnrtRet_t; /* an enum in cnrt.h; 0 is success in every version */
@@ -84,13 +84,7 @@ static struct {
     cnrtRet_t (*NotifierElapsedTime)(cnrtNotifier_t, cnrtNotifier_t, float *);
 } cn;
 
-struct symbol {
-    const char *names[3]; /* exported names, preferred first */
-    void **slot;
-    int required;
-};
-
-static const struct symbol SYMBOLS[] = {
+static const struct odma_symbol SYMBOLS[] = {
     {{"cnrtGetDeviceCount"}, (void **)&cn.GetDeviceCount, 1},
     {{"cnrtSetDevice"}, (void **)&cn.SetDevice, 1},
     {{"cnrtMalloc"}, (void **)&cn.Malloc, 1},
@@ -121,17 +115,6 @@ static int device_count;
 static int lib_version; /* major*10000 + minor*100 + patch, 0 when unknown */
 
 /* ---- messages ---- */
-static int set_msg(char *msg, int status, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
-static int set_msg(char *msg, int status, const char *fmt, ...)
-{
-    if (msg) {
-        va_list ap;
-        va_start(ap, fmt);
-        vsnprintf(msg, ODMA_MSG_LEN, fmt, ap);
-        va_end(ap);
-    }
-    return status;
-}
 
 static int status_for(cnrtRet_t r)
 {
@@ -147,7 +130,7 @@ static int status_for(cnrtRet_t r)
 static int cn_fail(char *msg, cnrtRet_t r, const char *call)
 {
     const char *s = cn.GetErrorStr ? cn.GetErrorStr(r) : NULL;
-    return set_msg(msg, status_for(r), "%s: cnrtRet %d (%s)", call, r, s ? s : "no description");
+    return odma_set_msg(msg, status_for(r), "%s: cnrtRet %d (%s)", call, r, s ? s : "no description");
 }
 
 /* ---- loading ---- */
@@ -164,20 +147,16 @@ static void load(void)
     if (!lib)
         lib = dlopen("libcnrt.so", RTLD_NOW | RTLD_LOCAL);
     if (!lib) {
-        load_status = set_msg(load_msg, ODMA_ENOLIB,
+        load_status = odma_set_msg(load_msg, ODMA_ENOLIB,
                               "libcnrt.so not found (Cambricon Neuware not installed; set "
                               "NEUWARE_HOME): %s%s", first_err, dlerror());
         return;
     }
-    for (size_t i = 0; i < sizeof SYMBOLS / sizeof SYMBOLS[0]; ++i) {
-        *SYMBOLS[i].slot = NULL;
-        for (int k = 0; k < 3 && SYMBOLS[i].names[k] && !*SYMBOLS[i].slot; ++k)
-            *SYMBOLS[i].slot = dlsym(lib, SYMBOLS[i].names[k]);
-        if (!*SYMBOLS[i].slot && SYMBOLS[i].required) {
-            load_status = set_msg(load_msg, ODMA_ENOLIB,
-                                  "libcnrt lacks %s: not a CNRT 6.x library", SYMBOLS[i].names[0]);
-            return;
-        }
+    const char *missing = odma_resolve_symbols(lib, SYMBOLS, sizeof SYMBOLS / sizeof SYMBOLS[0]);
+    if (missing) {
+        load_status = odma_set_msg(load_msg, ODMA_ENOLIB, "libcnrt lacks %s: not a CNRT 6.x library",
+                                   missing);
+        return;
     }
     int major = 0, minor = 0, patch = 0;
     if (cn.GetLibVersion && cn.GetLibVersion(&major, &minor, &patch) == 0)
@@ -185,7 +164,7 @@ static void load(void)
     unsigned count = 0;
     cnrtRet_t r = cn.GetDeviceCount(&count);
     if (r == CNRT_ERROR_NO_DEVICE || (r == 0 && count == 0)) {
-        load_status = set_msg(load_msg, ODMA_ENODEV, "libcnrt loaded but no MLU device found");
+        load_status = odma_set_msg(load_msg, ODMA_ENODEV, "libcnrt loaded but no MLU device found");
         return;
     }
     if (r != 0) {
@@ -206,7 +185,7 @@ static int enter(int ordinal, char *msg)
         return load_status;
     }
     if (ordinal < 0 || ordinal >= device_count)
-        return set_msg(msg, ODMA_ENODEV, "mlu:%d does not exist: this machine has %d MLU(s)",
+        return odma_set_msg(msg, ODMA_ENODEV, "mlu:%d does not exist: this machine has %d MLU(s)",
                        ordinal, device_count);
     cnrtRet_t r = cn.SetDevice(ordinal);
     return r == 0 ? ODMA_OK : cn_fail(msg, r, "cnrtSetDevice");
@@ -233,7 +212,7 @@ int odma_mlu_init(int *count, char *msg)
 int odma_mlu_device_info(int ordinal, odma_devinfo *info, char *msg)
 {
     if (!info)
-        return set_msg(msg, ODMA_EINVAL, "info is NULL");
+        return odma_set_msg(msg, ODMA_EINVAL, "info is NULL");
     int st = enter(ordinal, msg);
     if (st != ODMA_OK)
         return st;
@@ -266,7 +245,7 @@ int odma_mlu_device_info(int ordinal, odma_devinfo *info, char *msg)
 int odma_mlu_alloc(int ordinal, size_t bytes, uint64_t *dptr, char *msg)
 {
     if (!dptr || bytes == 0)
-        return set_msg(msg, ODMA_EINVAL, "mlu alloc: need bytes > 0 and an output pointer");
+        return odma_set_msg(msg, ODMA_EINVAL, "mlu alloc: need bytes > 0 and an output pointer");
     *dptr = 0;
     int st = enter(ordinal, msg);
     if (st != ODMA_OK)
@@ -276,7 +255,7 @@ int odma_mlu_alloc(int ordinal, size_t bytes, uint64_t *dptr, char *msg)
     if (r != 0 || !p) {
         char call[64];
         snprintf(call, sizeof call, "cnrtMalloc(%zu B)", bytes);
-        return r == 0 ? set_msg(msg, ODMA_ENOMEM, "%s returned NULL", call) : cn_fail(msg, r, call);
+        return r == 0 ? odma_set_msg(msg, ODMA_ENOMEM, "%s returned NULL", call) : cn_fail(msg, r, call);
     }
     *dptr = (uint64_t)(uintptr_t)p;
     return ODMA_OK;
@@ -285,7 +264,7 @@ int odma_mlu_alloc(int ordinal, size_t bytes, uint64_t *dptr, char *msg)
 int odma_mlu_free(int ordinal, uint64_t dptr, char *msg)
 {
     if (!dptr)
-        return set_msg(msg, ODMA_EINVAL, "mlu free: null device address");
+        return odma_set_msg(msg, ODMA_EINVAL, "mlu free: null device address");
     int st = enter(ordinal, msg);
     if (st != ODMA_OK)
         return st;
@@ -298,7 +277,7 @@ int odma_mlu_write(int ordinal, uint64_t dst, const void *src, size_t bytes, cha
     if (bytes == 0)
         return ODMA_OK;
     if (!dst || !src)
-        return set_msg(msg, ODMA_EINVAL, "mlu write: null address");
+        return odma_set_msg(msg, ODMA_EINVAL, "mlu write: null address");
     int st = enter(ordinal, msg);
     if (st != ODMA_OK)
         return st;
@@ -311,7 +290,7 @@ int odma_mlu_read(int ordinal, void *dst, uint64_t src, size_t bytes, char *msg)
     if (bytes == 0)
         return ODMA_OK;
     if (!dst || !src)
-        return set_msg(msg, ODMA_EINVAL, "mlu read: null address");
+        return odma_set_msg(msg, ODMA_EINVAL, "mlu read: null address");
     int st = enter(ordinal, msg);
     if (st != ODMA_OK)
         return st;
@@ -348,7 +327,7 @@ static int timing_open(struct timing *t, int n, int async, char *msg)
     t->clock = calloc((size_t)n + 1, sizeof *t->clock);
     t->marks = calloc((size_t)n + 1, sizeof *t->marks);
     if (!t->clock || !t->marks)
-        return set_msg(msg, ODMA_ENOMEM, "out of host memory");
+        return odma_set_msg(msg, ODMA_ENOMEM, "out of host memory");
     if (!async)
         return ODMA_OK;
     cnrtRet_t r = cn.QueueCreate(&t->queue);
@@ -431,9 +410,9 @@ int odma_mlu_copy(int ordinal, uint64_t dst, uint64_t src, size_t bytes, double 
     if (bytes == 0)
         return ODMA_OK;
     if (!dst || !src)
-        return set_msg(msg, ODMA_EINVAL, "mlu copy: null device address");
+        return odma_set_msg(msg, ODMA_EINVAL, "mlu copy: null device address");
     if (dst < src + bytes && src < dst + bytes)
-        return set_msg(msg, ODMA_EINVAL, "mlu copy: source and destination overlap");
+        return odma_set_msg(msg, ODMA_EINVAL, "mlu copy: source and destination overlap");
     int st = enter(ordinal, msg);
     if (st != ODMA_OK)
         return st;
@@ -553,18 +532,18 @@ int odma_mlu_measure(int ordinal, uint64_t buf, size_t bytes, int pattern, size_
                      size_t work_bytes, uint64_t seed, odma_result *out, char *msg)
 {
     if (!out)
-        return set_msg(msg, ODMA_EINVAL, "result is NULL");
+        return odma_set_msg(msg, ODMA_EINVAL, "result is NULL");
     memset(out, 0, sizeof *out);
     if (!buf)
-        return set_msg(msg, ODMA_EINVAL, "mlu measure: null buffer");
+        return odma_set_msg(msg, ODMA_EINVAL, "mlu measure: null buffer");
     if (pattern != ODMA_PAT_READ && pattern != ODMA_PAT_COPY && pattern != ODMA_PAT_RAND)
-        return set_msg(msg, ODMA_EINVAL, "unknown pattern %d", pattern);
+        return odma_set_msg(msg, ODMA_EINVAL, "unknown pattern %d", pattern);
     if (reps < 1 || reps > MAX_REPS)
-        return set_msg(msg, ODMA_EINVAL, "reps must be in [1, %d], got %d", MAX_REPS, reps);
+        return odma_set_msg(msg, ODMA_EINVAL, "reps must be in [1, %d], got %d", MAX_REPS, reps);
     if (pattern == ODMA_PAT_COPY && bytes < 2)
-        return set_msg(msg, ODMA_EINVAL, "buffer of %zu B is too small to copy half of it", bytes);
+        return odma_set_msg(msg, ODMA_EINVAL, "buffer of %zu B is too small to copy half of it", bytes);
     if (pattern == ODMA_PAT_RAND && (!is_pow2(granule) || granule < 8 || granule > bytes))
-        return set_msg(msg, ODMA_EINVAL, "granule %zu must be a power of two in [8, %zu]", granule,
+        return odma_set_msg(msg, ODMA_EINVAL, "granule %zu must be a power of two in [8, %zu]", granule,
                        bytes);
     int st = enter(ordinal, msg);
     if (st != ODMA_OK)
@@ -627,12 +606,12 @@ int odma_mlu_measure(int ordinal, uint64_t buf, size_t bytes, int pattern, size_
     uint64_t rng = seed;
     cnrtRet_t r;
     if (!seconds) {
-        st = set_msg(msg, ODMA_ENOMEM, "out of host memory");
+        st = odma_set_msg(msg, ODMA_ENOMEM, "out of host memory");
         goto out;
     }
     if (p.scratch_bytes && ((r = cn.Malloc(&scratch, p.scratch_bytes)) != 0 || !scratch)) {
         scratch = NULL;
-        st = r ? cn_fail(msg, r, "cnrtMalloc (scratch)") : set_msg(msg, ODMA_ENOMEM, "cnrtMalloc");
+        st = r ? cn_fail(msg, r, "cnrtMalloc (scratch)") : odma_set_msg(msg, ODMA_ENOMEM, "cnrtMalloc");
         goto out;
     }
     if ((st = timing_open(&t, reps, async, msg)) != ODMA_OK)

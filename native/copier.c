@@ -7,7 +7,7 @@
  * already overwritten.
  */
 #define _GNU_SOURCE
-#include "odma.h"
+#include "common.h"
 #include "copy_kernel.h"
 
 #include <pthread.h>
@@ -22,16 +22,6 @@
 
 #define MAX_THREADS 256
 
-static int fail(char *msg, int status, const char *fmt, ...)
-{
-    if (msg) {
-        va_list ap;
-        va_start(ap, fmt);
-        vsnprintf(msg, ODMA_MSG_LEN, fmt, ap);
-        va_end(ap);
-    }
-    return status;
-}
 
 const char *odma_copy_isa(void)
 {
@@ -132,15 +122,15 @@ static void *copy_worker(void *arg)
 int odma_copy(void *dst, const void *src, size_t bytes, int threads, char *msg)
 {
     if (threads < 1 || threads > MAX_THREADS)
-        return fail(msg, ODMA_EINVAL, "threads must be in [1, %d], got %d", MAX_THREADS, threads);
+        return odma_set_msg(msg, ODMA_EINVAL, "threads must be in [1, %d], got %d", MAX_THREADS, threads);
     if (bytes == 0)
         return ODMA_OK;  /* like memmove: copying nothing is not an error */
     if (!dst || !src)
-        return fail(msg, ODMA_EINVAL, "NULL %s pointer for a %zu-byte copy",
+        return odma_set_msg(msg, ODMA_EINVAL, "NULL %s pointer for a %zu-byte copy",
                     !dst ? "destination" : "source", bytes);
     uintptr_t d = (uintptr_t)dst, s = (uintptr_t)src;
     if (d + bytes < d || s + bytes < s)
-        return fail(msg, ODMA_EINVAL, "a %zu-byte range wraps around the address space", bytes);
+        return odma_set_msg(msg, ODMA_EINVAL, "a %zu-byte range wraps around the address space", bytes);
     if (d == s)
         return ODMA_OK;
     if (d < s + bytes && s < d + bytes) {  /* overlap: memmove semantics, one thread */

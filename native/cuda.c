@@ -21,7 +21,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "odma.h"
+#include "common.h"
 
 /* ---- the slice of cuda.h the shim uses (values from the CUDA 13 header; stable since CUDA 4) ---- */
 typedef int CUresult;
@@ -751,14 +751,9 @@ static struct {
     CUresult (*OccupancyMaxActiveBlocksPerMultiprocessor)(int *, CUfunction, int, size_t);
 } cu;
 
-struct symbol {
-    const char *names[3]; /* exported names, preferred first */
-    void **slot;
-    int required;
-};
 
 /* Symbols needed after cuInit succeeded (cuInit and the error-name calls are looked up first). */
-static const struct symbol SYMBOLS[] = {
+static const struct odma_symbol SYMBOLS[] = {
     {{"cuDriverGetVersion"}, (void **)&cu.DriverGetVersion, 1},
     {{"cuDeviceGetCount"}, (void **)&cu.DeviceGetCount, 1},
     {{"cuDeviceGet"}, (void **)&cu.DeviceGet, 1},
@@ -811,17 +806,6 @@ static struct cuda_device *devices;
 static pthread_mutex_t dev_lock = PTHREAD_MUTEX_INITIALIZER;
 
 /* ---- messages ---- */
-static int set_msg(char *msg, int status, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
-static int set_msg(char *msg, int status, const char *fmt, ...)
-{
-    if (msg) {
-        va_list ap;
-        va_start(ap, fmt);
-        vsnprintf(msg, ODMA_MSG_LEN, fmt, ap);
-        va_end(ap);
-    }
-    return status;
-}
 
 static const char *error_name(CUresult r)
 {
@@ -867,20 +851,10 @@ static int status_for(CUresult r)
 /* "<call>: CUDA_ERROR_X (description)" with the matching odma status */
 static int cu_fail(char *msg, CUresult r, const char *call)
 {
-    return set_msg(msg, status_for(r), "%s: %s (%d, %s)", call, error_name(r), r, error_string(r));
+    return odma_set_msg(msg, status_for(r), "%s: %s (%d, %s)", call, error_name(r), r, error_string(r));
 }
 
 /* ---- loading ---- */
-static void *lookup(const char *const names[3])
-{
-    for (int i = 0; i < 3 && names[i]; ++i) {
-        void *p = dlsym(lib, names[i]);
-        if (p)
-            return p;
-    }
-    return NULL;
-}
-
 static void load(void)
 {
     const char *first_error;
@@ -890,7 +864,7 @@ static void load(void)
         snprintf(err, sizeof err, "%s", dlerror());
         lib = dlopen("libcuda.so", RTLD_NOW | RTLD_LOCAL);
         if (!lib) {
-            load_status = set_msg(load_msg, ODMA_ENOLIB,
+            load_status = odma_set_msg(load_msg, ODMA_ENOLIB,
                                   "libcuda.so.1 not found: no NVIDIA driver installed (%s)", err);
             return;
         }
@@ -899,17 +873,17 @@ static void load(void)
     *(void **)&cu.GetErrorName = dlsym(lib, "cuGetErrorName");
     *(void **)&cu.GetErrorString = dlsym(lib, "cuGetErrorString");
     if (!cu.Init) {
-        load_status = set_msg(load_msg, ODMA_ENOLIB, "libcuda has no cuInit: not a CUDA driver");
+        load_status = odma_set_msg(load_msg, ODMA_ENOLIB, "libcuda has no cuInit: not a CUDA driver");
         return;
     }
     CUresult r = cu.Init(0);
     if (r == CUDA_ERROR_STUB_LIBRARY) {
-        load_status = set_msg(load_msg, ODMA_ENOLIB,
+        load_status = odma_set_msg(load_msg, ODMA_ENOLIB,
                               "stub libcuda: no NVIDIA driver (cuInit: CUDA_ERROR_STUB_LIBRARY)");
         return;
     }
     if (r == CUDA_ERROR_NO_DEVICE) {
-        load_status = set_msg(load_msg, ODMA_ENODEV,
+        load_status = odma_set_msg(load_msg, ODMA_ENODEV,
                               "NVIDIA driver loaded but no CUDA device (cuInit: CUDA_ERROR_NO_DEVICE)");
         return;
     }
@@ -917,14 +891,9 @@ static void load(void)
         load_status = cu_fail(load_msg, r, "cuInit");
         return;
     }
-    first_error = NULL;
-    for (size_t i = 0; i < sizeof SYMBOLS / sizeof SYMBOLS[0]; ++i) {
-        *SYMBOLS[i].slot = lookup(SYMBOLS[i].names);
-        if (!*SYMBOLS[i].slot && SYMBOLS[i].required && !first_error)
-            first_error = SYMBOLS[i].names[0];
-    }
+    first_error = odma_resolve_symbols(lib, SYMBOLS, sizeof SYMBOLS / sizeof SYMBOLS[0]);
     if (first_error) {
-        load_status = set_msg(load_msg, ODMA_ENOLIB,
+        load_status = odma_set_msg(load_msg, ODMA_ENOLIB,
                               "libcuda lacks %s: the NVIDIA driver is too old", first_error);
         return;
     }
@@ -936,12 +905,12 @@ static void load(void)
     }
     if (device_count <= 0) {
         device_count = 0;
-        load_status = set_msg(load_msg, ODMA_ENODEV, "NVIDIA driver loaded but no CUDA device");
+        load_status = odma_set_msg(load_msg, ODMA_ENODEV, "NVIDIA driver loaded but no CUDA device");
         return;
     }
     devices = calloc((size_t)device_count, sizeof *devices);
     if (!devices) {
-        load_status = set_msg(load_msg, ODMA_ENOMEM, "out of host memory");
+        load_status = odma_set_msg(load_msg, ODMA_ENOMEM, "out of host memory");
         return;
     }
     load_status = ODMA_OK;
@@ -985,7 +954,7 @@ static int prepare(struct cuda_device *d, int ordinal, int kernels, char *msg)
         char *nl = strchr(log, '\n');
         if (nl)
             *nl = '\0';
-        status = set_msg(msg, status_for(r), "cuModuleLoadDataEx (embedded PTX 6.4): %s (%d, %s)%s%s",
+        status = odma_set_msg(msg, status_for(r), "cuModuleLoadDataEx (embedded PTX 6.4): %s (%d, %s)%s%s",
                          error_name(r), r, error_string(r), log[0] ? ": " : "", log);
         goto out;
     }
@@ -1023,7 +992,7 @@ static int enter(int ordinal, int kernels, struct cuda_device **out, CUcontext *
     if (st != ODMA_OK)
         return st;
     if (ordinal < 0 || ordinal >= device_count)
-        return set_msg(msg, ODMA_ENODEV, "cuda:%d does not exist: this machine has %d CUDA device(s)",
+        return odma_set_msg(msg, ODMA_ENODEV, "cuda:%d does not exist: this machine has %d CUDA device(s)",
                        ordinal, device_count);
     struct cuda_device *d = &devices[ordinal];
     pthread_mutex_lock(&dev_lock);
@@ -1060,7 +1029,7 @@ int odma_cuda_init(int *count, char *msg)
 int odma_cuda_device_info(int ordinal, odma_devinfo *info, char *msg)
 {
     if (!info)
-        return set_msg(msg, ODMA_EINVAL, "info is NULL");
+        return odma_set_msg(msg, ODMA_EINVAL, "info is NULL");
     struct cuda_device *d;
     CUcontext prev;
     int st = enter(ordinal, 0, &d, &prev, msg);
@@ -1095,7 +1064,7 @@ int odma_cuda_device_info(int ordinal, odma_devinfo *info, char *msg)
 int odma_cuda_alloc(int ordinal, size_t bytes, uint64_t *dptr, char *msg)
 {
     if (!dptr || bytes == 0)
-        return set_msg(msg, ODMA_EINVAL, "cuda alloc: need bytes > 0 and an output pointer");
+        return odma_set_msg(msg, ODMA_EINVAL, "cuda alloc: need bytes > 0 and an output pointer");
     *dptr = 0;
     struct cuda_device *d;
     CUcontext prev;
@@ -1116,7 +1085,7 @@ int odma_cuda_alloc(int ordinal, size_t bytes, uint64_t *dptr, char *msg)
 int odma_cuda_free(int ordinal, uint64_t dptr, char *msg)
 {
     if (!dptr)
-        return set_msg(msg, ODMA_EINVAL, "cuda free: null device address");
+        return odma_set_msg(msg, ODMA_EINVAL, "cuda free: null device address");
     struct cuda_device *d;
     CUcontext prev;
     int st = enter(ordinal, 0, &d, &prev, msg);
@@ -1131,7 +1100,7 @@ int odma_cuda_write(int ordinal, uint64_t dst, const void *src, size_t bytes, ch
     if (bytes == 0)
         return ODMA_OK;
     if (!dst || !src)
-        return set_msg(msg, ODMA_EINVAL, "cuda write: null address");
+        return odma_set_msg(msg, ODMA_EINVAL, "cuda write: null address");
     struct cuda_device *d;
     CUcontext prev;
     int st = enter(ordinal, 0, &d, &prev, msg);
@@ -1146,7 +1115,7 @@ int odma_cuda_read(int ordinal, void *dst, uint64_t src, size_t bytes, char *msg
     if (bytes == 0)
         return ODMA_OK;
     if (!dst || !src)
-        return set_msg(msg, ODMA_EINVAL, "cuda read: null address");
+        return odma_set_msg(msg, ODMA_EINVAL, "cuda read: null address");
     struct cuda_device *d;
     CUcontext prev;
     int st = enter(ordinal, 0, &d, &prev, msg);
@@ -1169,7 +1138,7 @@ static int timing_open(struct timing *t, int n, char *msg)
     memset(t, 0, sizeof *t);
     t->events = calloc((size_t)n + 1, sizeof *t->events);
     if (!t->events)
-        return set_msg(msg, ODMA_ENOMEM, "out of host memory");
+        return odma_set_msg(msg, ODMA_ENOMEM, "out of host memory");
     if ((r = cu.StreamCreate(&t->stream, CU_STREAM_NON_BLOCKING)) != CUDA_SUCCESS)
         return cu_fail(msg, r, "cuStreamCreate");
     for (int i = 0; i <= n; ++i) {
@@ -1211,9 +1180,9 @@ int odma_cuda_copy(int ordinal, uint64_t dst, uint64_t src, size_t bytes, double
     if (bytes == 0)
         return ODMA_OK;
     if (!dst || !src)
-        return set_msg(msg, ODMA_EINVAL, "cuda copy: null device address");
+        return odma_set_msg(msg, ODMA_EINVAL, "cuda copy: null device address");
     if (dst < src + bytes && src < dst + bytes)
-        return set_msg(msg, ODMA_EINVAL, "cuda copy: source and destination overlap");
+        return odma_set_msg(msg, ODMA_EINVAL, "cuda copy: source and destination overlap");
     struct cuda_device *d;
     CUcontext prev;
     int st = enter(ordinal, 0, &d, &prev, msg);
@@ -1281,7 +1250,7 @@ static int plan(struct cuda_device *d, struct launch *L, uint64_t buf, size_t by
         double per_pass = (pattern == ODMA_PAT_READ ? 16.0 : 32.0) * (double)n16;
         unsigned long long passes = 1;
         if (n16 == 0)
-            return set_msg(msg, ODMA_EINVAL, "buffer of %zu B is too small for pattern %d", bytes,
+            return odma_set_msg(msg, ODMA_EINVAL, "buffer of %zu B is too small for pattern %d", bytes,
                            pattern);
         if (work && work >= per_pass) {
             passes = (unsigned long long)(work / per_pass);
@@ -1292,7 +1261,7 @@ static int plan(struct cuda_device *d, struct launch *L, uint64_t buf, size_t by
             per_pass = (pattern == ODMA_PAT_READ ? 16.0 : 32.0) * (double)n16;
         }
         if (passes > 0xFFFFFFFFull)
-            return set_msg(msg, ODMA_EINVAL, "work_bytes %zu is too large", work);
+            return odma_set_msg(msg, ODMA_EINVAL, "work_bytes %zu is too large", work);
         L->a_n = n16;
         L->a_passes = (unsigned)passes;
         out->bytes = per_pass * (double)passes;
@@ -1312,7 +1281,7 @@ static int plan(struct cuda_device *d, struct launch *L, uint64_t buf, size_t by
     }
     /* random: granule-aligned granules of the whole buffer, indices from an inline PRNG */
     if (!is_pow2(granule) || granule < 8 || granule > bytes)
-        return set_msg(msg, ODMA_EINVAL, "granule %zu must be a power of two in [8, %zu]", granule,
+        return odma_set_msg(msg, ODMA_EINVAL, "granule %zu must be a power of two in [8, %zu]", granule,
                        bytes);
     L->a_ngran = bytes / granule;
     L->a_accesses = work ? work / granule : L->a_ngran;
@@ -1343,14 +1312,14 @@ int odma_cuda_measure(int ordinal, uint64_t buf, size_t bytes, int pattern, size
                       size_t work_bytes, uint64_t seed, odma_result *out, char *msg)
 {
     if (!out)
-        return set_msg(msg, ODMA_EINVAL, "result is NULL");
+        return odma_set_msg(msg, ODMA_EINVAL, "result is NULL");
     memset(out, 0, sizeof *out);
     if (!buf || buf % 16)
-        return set_msg(msg, ODMA_EINVAL, "cuda measure: buffer address must be non-null and 16-B aligned");
+        return odma_set_msg(msg, ODMA_EINVAL, "cuda measure: buffer address must be non-null and 16-B aligned");
     if (pattern != ODMA_PAT_READ && pattern != ODMA_PAT_COPY && pattern != ODMA_PAT_RAND)
-        return set_msg(msg, ODMA_EINVAL, "unknown pattern %d", pattern);
+        return odma_set_msg(msg, ODMA_EINVAL, "unknown pattern %d", pattern);
     if (reps < 1 || reps > MAX_REPS)
-        return set_msg(msg, ODMA_EINVAL, "reps must be in [1, %d], got %d", MAX_REPS, reps);
+        return odma_set_msg(msg, ODMA_EINVAL, "reps must be in [1, %d], got %d", MAX_REPS, reps);
     struct cuda_device *d;
     CUcontext prev;
     int st = enter(ordinal, 1, &d, &prev, msg);
@@ -1363,7 +1332,7 @@ int odma_cuda_measure(int ordinal, uint64_t buf, size_t bytes, int pattern, size
     double *seconds = calloc((size_t)reps, sizeof *seconds);
     CUresult r;
     if (!seconds) {
-        st = set_msg(msg, ODMA_ENOMEM, "out of host memory");
+        st = odma_set_msg(msg, ODMA_ENOMEM, "out of host memory");
         goto out;
     }
     if ((r = cu.MemAlloc(&sink, 256)) != CUDA_SUCCESS) {

@@ -17,7 +17,7 @@
  * Nothing here is global: every call owns its threads, barrier and timings.
  */
 #define _GNU_SOURCE
-#include "odma.h"
+#include "common.h"
 #include "copy_kernel.h"
 
 #include <errno.h>
@@ -57,16 +57,6 @@ typedef uint64_t vload __attribute__((may_alias));
 #define LOAD_ISA "scalar"
 #endif
 
-static int fail(char *msg, int status, const char *fmt, ...)
-{
-    if (msg) {
-        va_list ap;
-        va_start(ap, fmt);
-        vsnprintf(msg, ODMA_MSG_LEN, fmt, ap);
-        va_end(ap);
-    }
-    return status;
-}
 
 static double now_s(void)
 {
@@ -129,7 +119,7 @@ static int run_threads(int n, void *(*fn)(void *), void *args, size_t stride, ch
     pthread_cond_destroy(&gate.cond);
     pthread_mutex_destroy(&gate.lock);
     if (created != n)
-        return fail(msg, ODMA_ENOMEM, "could not start thread %d of %d: %s", created, n,
+        return odma_set_msg(msg, ODMA_ENOMEM, "could not start thread %d of %d: %s", created, n,
                     strerror(err));
     return ODMA_OK;
 }
@@ -159,21 +149,21 @@ static void *touch_worker(void *p)
 int odma_host_alloc(size_t bytes, int threads, void **ptr, char *msg)
 {
     if (!ptr)
-        return fail(msg, ODMA_EINVAL, "NULL result pointer");
+        return odma_set_msg(msg, ODMA_EINVAL, "NULL result pointer");
     *ptr = NULL;
     if (bytes == 0)
-        return fail(msg, ODMA_EINVAL, "cannot allocate 0 bytes");
+        return odma_set_msg(msg, ODMA_EINVAL, "cannot allocate 0 bytes");
     if (threads < 1 || threads > MAX_THREADS)
-        return fail(msg, ODMA_EINVAL, "threads must be in [1, %d], got %d", MAX_THREADS, threads);
+        return odma_set_msg(msg, ODMA_EINVAL, "threads must be in [1, %d], got %d", MAX_THREADS, threads);
     size_t len = round_up(bytes, HUGE_PAGE);
     if (len < bytes || len + HUGE_PAGE < len)
-        return fail(msg, ODMA_EINVAL, "size %zu is too large", bytes);
+        return odma_set_msg(msg, ODMA_EINVAL, "size %zu is too large", bytes);
 
     /* over-map by one huge page, then trim so the buffer starts on a 2 MiB boundary */
     char *raw = mmap(NULL, len + HUGE_PAGE, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS,
                      -1, 0);
     if (raw == MAP_FAILED)
-        return fail(msg, ODMA_ENOMEM, "mmap of %zu bytes failed: %s", len + HUGE_PAGE,
+        return odma_set_msg(msg, ODMA_ENOMEM, "mmap of %zu bytes failed: %s", len + HUGE_PAGE,
                     strerror(errno));
     char *base = (char *)round_up((uintptr_t)raw, HUGE_PAGE);
     if (base > raw)
@@ -198,30 +188,30 @@ int odma_host_alloc(size_t bytes, int threads, void **ptr, char *msg)
 int odma_host_free(void *ptr, size_t bytes, char *msg)
 {
     if (!ptr)
-        return fail(msg, ODMA_EINVAL, "NULL buffer");
+        return odma_set_msg(msg, ODMA_EINVAL, "NULL buffer");
     if (bytes == 0)
-        return fail(msg, ODMA_EINVAL, "buffer size is 0");
+        return odma_set_msg(msg, ODMA_EINVAL, "buffer size is 0");
     if ((uintptr_t)ptr % HUGE_PAGE)
-        return fail(msg, ODMA_EINVAL, "%p is not a buffer from odma_host_alloc (not 2 MiB aligned)",
+        return odma_set_msg(msg, ODMA_EINVAL, "%p is not a buffer from odma_host_alloc (not 2 MiB aligned)",
                     ptr);
     if (munmap(ptr, round_up(bytes, HUGE_PAGE)) != 0)
-        return fail(msg, ODMA_EINVAL, "munmap(%p, %zu) failed: %s", ptr, bytes, strerror(errno));
+        return odma_set_msg(msg, ODMA_EINVAL, "munmap(%p, %zu) failed: %s", ptr, bytes, strerror(errno));
     return ODMA_OK;
 }
 
 int odma_host_huge_bytes(void *ptr, size_t bytes, size_t *huge_bytes, char *msg)
 {
     if (!ptr || !huge_bytes)
-        return fail(msg, ODMA_EINVAL, "NULL %s", !ptr ? "buffer" : "result pointer");
+        return odma_set_msg(msg, ODMA_EINVAL, "NULL %s", !ptr ? "buffer" : "result pointer");
     if (bytes == 0)
-        return fail(msg, ODMA_EINVAL, "range size is 0");
+        return odma_set_msg(msg, ODMA_EINVAL, "range size is 0");
     *huge_bytes = 0;
     uintptr_t lo = (uintptr_t)ptr, hi = lo + bytes;
     if (hi < lo)
-        return fail(msg, ODMA_EINVAL, "range wraps around the address space");
+        return odma_set_msg(msg, ODMA_EINVAL, "range wraps around the address space");
     FILE *f = fopen("/proc/self/smaps", "r");
     if (!f)
-        return fail(msg, ODMA_EDEVICE, "cannot read /proc/self/smaps: %s", strerror(errno));
+        return odma_set_msg(msg, ODMA_EDEVICE, "cannot read /proc/self/smaps: %s", strerror(errno));
     char *line = NULL;
     size_t cap = 0, total = 0, overlap = 0;
     while (getline(&line, &cap, f) > 0) {
@@ -496,17 +486,17 @@ int odma_host_measure(void *buf, size_t bytes, int pattern, size_t granule, int 
                       size_t work_bytes, uint64_t seed, odma_result *out, char *msg)
 {
     if (!buf || !out)
-        return fail(msg, ODMA_EINVAL, "NULL %s", !buf ? "buffer" : "result pointer");
+        return odma_set_msg(msg, ODMA_EINVAL, "NULL %s", !buf ? "buffer" : "result pointer");
     if ((uintptr_t)buf % 64)
-        return fail(msg, ODMA_EINVAL, "buffer %p is not 64-byte aligned", buf);
+        return odma_set_msg(msg, ODMA_EINVAL, "buffer %p is not 64-byte aligned", buf);
     if (bytes == 0)
-        return fail(msg, ODMA_EINVAL, "buffer size is 0");
+        return odma_set_msg(msg, ODMA_EINVAL, "buffer size is 0");
     if ((uintptr_t)buf + bytes < (uintptr_t)buf)
-        return fail(msg, ODMA_EINVAL, "buffer wraps around the address space");
+        return odma_set_msg(msg, ODMA_EINVAL, "buffer wraps around the address space");
     if (threads < 1 || threads > MAX_THREADS)
-        return fail(msg, ODMA_EINVAL, "threads must be in [1, %d], got %d", MAX_THREADS, threads);
+        return odma_set_msg(msg, ODMA_EINVAL, "threads must be in [1, %d], got %d", MAX_THREADS, threads);
     if (reps < 1 || reps > MAX_REPS)
-        return fail(msg, ODMA_EINVAL, "reps must be in [1, %d], got %d", MAX_REPS, reps);
+        return odma_set_msg(msg, ODMA_EINVAL, "reps must be in [1, %d], got %d", MAX_REPS, reps);
 
     measure_ctx c = {.buf = buf, .bytes = bytes, .pattern = pattern, .granule = granule,
                      .threads = threads, .reps = reps, .passes = 1, .seed = seed};
@@ -515,7 +505,7 @@ int odma_host_measure(void *buf, size_t bytes, int pattern, size_t granule, int 
     switch (pattern) {
     case ODMA_PAT_READ:
         if (bytes < 64)
-            return fail(msg, ODMA_EINVAL, "read needs a buffer of at least 64 bytes, got %zu", bytes);
+            return odma_set_msg(msg, ODMA_EINVAL, "read needs a buffer of at least 64 bytes, got %zu", bytes);
         if (work_bytes > bytes)
             c.passes = (work_bytes + bytes - 1) / bytes;
         moved = (double)bytes * (double)c.passes;
@@ -524,7 +514,7 @@ int odma_host_measure(void *buf, size_t bytes, int pattern, size_t granule, int 
     case ODMA_PAT_COPY:
         c.half = bytes / 2 / 64 * 64;
         if (c.half < 64)
-            return fail(msg, ODMA_EINVAL, "copy needs a buffer of at least 128 bytes, got %zu", bytes);
+            return odma_set_msg(msg, ODMA_EINVAL, "copy needs a buffer of at least 128 bytes, got %zu", bytes);
         if (work_bytes > 2 * c.half)
             c.passes = (work_bytes + 2 * c.half - 1) / (2 * c.half);
         c.nontemporal = c.half >= ODMA_NT_THRESHOLD;
@@ -533,7 +523,7 @@ int odma_host_measure(void *buf, size_t bytes, int pattern, size_t granule, int 
         break;
     case ODMA_PAT_RAND:
         if (!is_pow2(granule) || granule < MIN_GRANULE || granule > bytes)
-            return fail(msg, ODMA_EINVAL,
+            return odma_set_msg(msg, ODMA_EINVAL,
                         "granule must be a power of two in [%d, %zu (buffer)], got %zu",
                         MIN_GRANULE, bytes, granule);
         c.accesses = (work_bytes ? work_bytes : bytes) / granule;
@@ -543,7 +533,7 @@ int odma_host_measure(void *buf, size_t bytes, int pattern, size_t granule, int 
         method = "rand-mcg-8way";
         break;
     default:
-        return fail(msg, ODMA_EINVAL, "unknown pattern %d (0 read, 1 copy, 2 rand)", pattern);
+        return odma_set_msg(msg, ODMA_EINVAL, "unknown pattern %d (0 read, 1 copy, 2 rand)", pattern);
     }
 
     c.times = malloc(sizeof(double) * (size_t)(reps + 1));
@@ -551,13 +541,13 @@ int odma_host_measure(void *buf, size_t bytes, int pattern, size_t granule, int 
     if (!c.times || !w) {
         free(c.times);
         free(w);
-        return fail(msg, ODMA_ENOMEM, "out of memory for %d repetitions x %d threads", reps, threads);
+        return odma_set_msg(msg, ODMA_ENOMEM, "out of memory for %d repetitions x %d threads", reps, threads);
     }
     int err = pthread_barrier_init(&c.barrier, NULL, (unsigned)threads);
     if (err) {
         free(c.times);
         free(w);
-        return fail(msg, ODMA_ENOMEM, "pthread_barrier_init: %s", strerror(err));
+        return odma_set_msg(msg, ODMA_ENOMEM, "pthread_barrier_init: %s", strerror(err));
     }
     for (int t = 0; t < threads; t++) {
         w[t].ctx = &c;
