@@ -26,7 +26,7 @@ from odma_hw.devices.base import Device
 from odma_hw.errors import BadArgument
 
 from allocator.buckets import QuantileBuckets, equal_width_bounds
-from allocator.core import AllocatorConfig, RacmAllocator, _amount, _count
+from allocator.core import AllocatorConfig, RacmAllocator, _amount, _count, check_growth
 from allocator.errors import DuplicateRequest, OutOfMemory, PoolTooLarge, StaleBlock, \
     UnknownRequest
 
@@ -249,11 +249,7 @@ class PagedAllocator:
         total = _count("total_tokens", total_tokens)
         with self._lock:
             blk = self._lookup(request_id)
-            if total < blk.tokens:
-                raise BadArgument(f"request {request_id!r} holds {blk.tokens} tokens; cannot "
-                                  f"grow to {total}")
-            if total > self.max_tokens:
-                raise BadArgument(f"{total} tokens exceed max_tokens={self.max_tokens}")
+            check_growth(request_id, blk.tokens, total, self.max_tokens)
             extra = -(-total // self.page_tokens) - len(blk.pages)
             if extra > 0:
                 if extra > len(self._free):  # all or nothing, like vLLM's block pool

@@ -73,6 +73,14 @@ def _amount(name: str, v, allow_inf: bool = False) -> float:
     return v
 
 
+def check_growth(request_id, held: int, total: int, max_tokens: int) -> None:
+    """grow() may only lengthen a request, and never past max_tokens."""
+    if total < held:
+        raise BadArgument(f"request {request_id!r} holds {held} tokens; cannot grow to {total}")
+    if total > max_tokens:
+        raise BadArgument(f"{total} tokens exceed max_tokens={max_tokens}")
+
+
 @dataclasses.dataclass(frozen=True)
 class AllocatorConfig:
     """Knobs of the ODMA policy and pool; every field has the default the replays use."""
@@ -383,11 +391,7 @@ class RacmAllocator:
         total = _count("total_tokens", total_tokens)
         with self._lock:
             old = self._lookup(request_id)
-            if total < old.tokens:
-                raise BadArgument(f"request {request_id!r} holds {old.tokens} tokens; cannot "
-                                  f"grow to {total}")
-            if total > self.max_tokens:
-                raise BadArgument(f"{total} tokens exceed max_tokens={self.max_tokens}")
+            check_growth(request_id, old.tokens, total, self.max_tokens)
             if total <= old.capacity_tokens:
                 old.tokens = total
                 return old
