@@ -21,12 +21,11 @@ import collections
 import math
 import threading
 
-from odma_hw import devices as _devices
-from odma_hw.devices.base import Device
 from odma_hw.errors import BadArgument
 
 from allocator.buckets import QuantileBuckets, equal_width_bounds
-from allocator.core import AllocatorConfig, RacmAllocator, _amount, _count, check_growth
+from allocator.core import (AllocatorConfig, RacmAllocator, _amount, _count, check_growth,
+                            resolve_device)
 from allocator.errors import DuplicateRequest, OutOfMemory, PoolTooLarge, StaleBlock, \
     UnknownRequest
 
@@ -168,13 +167,8 @@ class PagedAllocator:
             if _count(name, v) == 0:
                 raise BadArgument(f"{name} must be > 0")
         self.config = config or AllocatorConfig()
-        owns = isinstance(device, str)
-        if owns:
-            device = _devices.open(device)
-        elif device is not None and not isinstance(device, Device):
-            raise BadArgument(f"device must be a Device, a spec string or None, got {device!r}")
-        self.device = device
-        self._owns_device = owns
+        self.device, self._owns_device = resolve_device(device)
+        device = self.device
         self.bytes_per_token = bytes_per_token
         self.max_tokens = max_tokens
         self.page_tokens = page_tokens

@@ -73,6 +73,16 @@ def _amount(name: str, v, allow_inf: bool = False) -> float:
     return v
 
 
+def resolve_device(device) -> tuple[Device | None, bool]:
+    """(the Device, whether the allocator opened it and so must close it) for a Device, a spec
+    string or None (accounting only: no bytes are stored)."""
+    if isinstance(device, str):
+        return _devices.open(device), True
+    if device is not None and not isinstance(device, Device):
+        raise BadArgument(f"device must be a Device, a spec string or None, got {device!r}")
+    return device, False
+
+
 def check_growth(request_id, held: int, total: int, max_tokens: int) -> None:
     """grow() may only lengthen a request, and never past max_tokens."""
     if total < held:
@@ -240,13 +250,8 @@ class RacmAllocator:
         self.config = config
         self.bytes_per_token = int(bytes_per_token)
         self.max_tokens = int(max_tokens)
-        owns_device = isinstance(device, str)
-        if owns_device:
-            device = _devices.open(device)
-        elif device is not None and not isinstance(device, Device):
-            raise BadArgument(f"device must be a Device, a spec string or None, got {device!r}")
-        self.device = device
-        self._owns_device = owns_device
+        self.device, self._owns_device = resolve_device(device)
+        device = self.device
         align = config.byte_alignment or (device.alignment if device is not None else 64)
         self.alignment = align
         self._mask = align - 1
