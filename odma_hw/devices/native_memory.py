@@ -5,6 +5,7 @@ first, and never twice."""
 
 from __future__ import annotations
 
+import abc
 import threading
 import weakref
 from typing import Callable
@@ -70,11 +71,13 @@ class NativeMemoryDevice(Device):
         self._finalizers: dict[int, weakref.finalize] = {}
         self._device_finalizer = weakref.finalize(self, LiveBuffers.release_all, self._live)
 
+    @abc.abstractmethod
     def _alloc_raw(self, nbytes: int) -> int:
-        raise NotImplementedError
+        """Allocate through the shim, record the address in self._live, return it."""
 
+    @abc.abstractmethod
     def free_bytes(self) -> int | None:
-        raise NotImplementedError
+        """Memory free on the device now, None when the runtime cannot tell."""
 
     # -- checks ---------------------------------------------------------------------------------
     def _check_open(self) -> None:
