@@ -63,7 +63,8 @@ int odma_host_free(void *ptr, size_t bytes, char *msg);
 /* Bytes of [ptr, ptr+bytes) backed by transparent huge pages (from /proc/self/smaps). */
 int odma_host_huge_bytes(void *ptr, size_t bytes, size_t *huge_bytes, char *msg);
 /* work_bytes: useful bytes per repetition; 0 = one pass over the buffer (read, copy) or
- * `bytes` worth of random granules (rand). */
+ * `bytes` worth of random granules (rand). Random addresses cover the largest power-of-two number
+ * of granules that fits in the buffer (so a mask, not a division, maps the generator's bits). */
 int odma_host_measure(void *buf, size_t bytes, int pattern, size_t granule, int threads, int reps,
                       size_t work_bytes, uint64_t seed, odma_result *out, char *msg);
 
