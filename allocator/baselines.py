@@ -25,9 +25,8 @@ from odma_hw.errors import BadArgument
 
 from allocator.buckets import QuantileBuckets, equal_width_bounds
 from allocator.core import (AllocatorConfig, RacmAllocator, _amount, _count, check_growth,
-                            resolve_device)
-from allocator.errors import DuplicateRequest, OutOfMemory, PoolTooLarge, StaleBlock, \
-    UnknownRequest
+                            find_live, resolve_device)
+from allocator.errors import DuplicateRequest, OutOfMemory, PoolTooLarge, StaleBlock
 
 
 class StaticAllocator(RacmAllocator):
@@ -226,14 +225,7 @@ class PagedAllocator:
         return blk
 
     def _lookup(self, request_id):
-        try:
-            blk = self._live.get(request_id)
-        except TypeError:
-            raise BadArgument(f"request id must be hashable, got {request_id!r}") from None
-        if blk is None:
-            raise UnknownRequest(f"request {request_id!r} is not live (never reserved or "
-                                 f"already released)")
-        return blk
+        return find_live(self._live, request_id)
 
     def block(self, request_id):
         with self._lock:

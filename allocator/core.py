@@ -83,6 +83,18 @@ def resolve_device(device) -> tuple[Device | None, bool]:
     return device, False
 
 
+def find_live(live: dict, request_id):
+    """The live block of `request_id` in `live`; UnknownRequest when there is none."""
+    try:
+        blk = live.get(request_id)
+    except TypeError:
+        raise BadArgument(f"request id must be hashable, got {request_id!r}") from None
+    if blk is None:
+        raise UnknownRequest(f"request {request_id!r} is not live (never reserved or "
+                             f"already released)")
+    return blk
+
+
 def check_growth(request_id, held: int, total: int, max_tokens: int) -> None:
     """grow() may only lengthen a request, and never past max_tokens."""
     if total < held:
@@ -372,13 +384,7 @@ class RacmAllocator:
         return blk
 
     def _lookup(self, request_id) -> Block:
-        try:
-            blk = self._live.get(request_id)
-        except TypeError:
-            raise BadArgument(f"request id must be hashable, got {request_id!r}") from None
-        if blk is None:
-            raise UnknownRequest(f"request {request_id!r} is not live (never reserved or "
-                                 f"already released)")
+        blk = find_live(self._live, request_id)
         if blk._state != _LIVE:
             raise RequestBusy(f"request {request_id!r} is being migrated")
         return blk

@@ -142,7 +142,6 @@ def run_replay(trace, policy: str = "odma", predictor: str = "online", *,
         raise BadArgument("step_seconds and time_scale must be > 0")
     prompt = trace.prompt.tolist()
     gen = [max(1, g) for g in trace.generated.tolist()]   # every request makes >= 1 token
-    n = len(prompt)
     longest = max(p + g for p, g in zip(prompt, gen))
     max_tokens = longest if max_tokens is None else int(max_tokens)
     if max_tokens < longest:

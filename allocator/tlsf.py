@@ -84,12 +84,7 @@ class TlsfFreeSpace:
         fl, sl = size_class(size >> self._shift)
         lst = self._lists[fl][sl]
         del lst[off]
-        if not lst:
-            self._sl_bitmap[fl] &= ~(1 << sl)
-            if not self._sl_bitmap[fl]:
-                self._fl_bitmap &= ~(1 << fl)
-        del self._free_start[off]
-        del self._free_end[off + size]
+        self._unlink(off, size, fl, sl, lst)
 
     def _unlink(self, off: int, size: int, fl: int, sl: int, lst: dict) -> None:
         """Bookkeeping after `off` was popped from free list (fl, sl) == lst."""

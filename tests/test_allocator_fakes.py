@@ -10,7 +10,7 @@ import time
 import pytest
 
 from odma_hw import devices
-from odma_hw.devices.base import Buffer, Device, DeviceInfo, Measurement
+from odma_hw.devices.base import Buffer, Device, DeviceInfo
 from odma_hw.errors import BadArgument, DeviceError
 
 BACKENDS = ["host", "emu:lpddr5-6400", "torch:cpu"]
