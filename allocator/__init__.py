@@ -7,18 +7,25 @@
     blk = alloc.grow("r1", 450)             # migrates (streaming copy) when outgrown
     alloc.release("r1", realized_tokens=350)
 
-See core.py for the policy and invariants, tlsf.py for the free-space manager, buckets.py for the
-bucket rules, replay.py for `odma-hw replay`.
+Every allocator implements the KVAllocator protocol (kv.py). pool.py holds the device pool and
+what every allocator shares; contiguous.py the contiguous-block pool; policies.py the ODMA,
+static, S3 and oracle policies; paged.py vLLM-style paging; tlsf.py the free-space manager;
+buckets.py the bucket rules; replay.py `odma-hw replay`.
 """
 
-from allocator.baselines import (POLICIES, OracleAllocator, PagedAllocator, PagedBlock,
-                                 S3Allocator, StaticAllocator)
 from allocator.buckets import QuantileBuckets, equal_width_bounds
 from allocator.cluster import ClusterManager
+from allocator.config import AllocatorConfig
+from allocator.contiguous import Block, ContiguousPool
 from allocator.copier import MigrationCopier, StreamingCopier
-from allocator.core import LARGE, AllocatorConfig, Block, RacmAllocator
-from allocator.errors import (BadArgument, DuplicateRequest, MigrationFailed, OdmaError,
-                              OutOfMemory, PoolTooLarge, RequestBusy, StaleBlock, UnknownRequest)
+from allocator.errors import (AllocatorClosed, BadArgument, DuplicateRequest, InvariantBroken,
+                              MigrationFailed, OdmaError, OutOfMemory, PoolTooLarge, RequestBusy,
+                              StaleBlock, UnknownRequest)
+from allocator.kv import KVAllocator, KVBlock
+from allocator.paged import PagedAllocator, PagedBlock
+from allocator.policies import (LARGE, POLICIES, OdmaPolicy, OracleAllocator, OraclePolicy,
+                                Placement, Policy, RacmAllocator, S3Allocator, S3Policy,
+                                StaticAllocator, StaticPolicy, make_allocator)
 from allocator.predictors import (LengthPredictor, NoisyOraclePredictor, OnlinePredictor,
                                   OraclePredictor, Request, make_predictor)
 from allocator.tlsf import TlsfFreeSpace
@@ -26,8 +33,11 @@ from allocator.tlsf import TlsfFreeSpace
 __all__ = [
     "RacmAllocator", "AllocatorConfig", "Block", "LARGE", "OutOfMemory", "UnknownRequest",
     "DuplicateRequest", "RequestBusy", "StaleBlock", "PoolTooLarge", "MigrationFailed",
-    "BadArgument", "OdmaError", "QuantileBuckets", "equal_width_bounds", "TlsfFreeSpace",
-    "StreamingCopier", "MigrationCopier", "ClusterManager", "StaticAllocator", "S3Allocator",
-    "OracleAllocator", "PagedAllocator", "PagedBlock", "POLICIES", "LengthPredictor",
-    "OraclePredictor", "NoisyOraclePredictor", "OnlinePredictor", "Request", "make_predictor",
+    "AllocatorClosed", "InvariantBroken", "BadArgument", "OdmaError", "QuantileBuckets",
+    "equal_width_bounds", "TlsfFreeSpace", "StreamingCopier", "MigrationCopier", "ClusterManager",
+    "KVAllocator", "KVBlock", "ContiguousPool", "Placement", "Policy", "OdmaPolicy",
+    "StaticPolicy", "S3Policy", "OraclePolicy", "StaticAllocator", "S3Allocator",
+    "OracleAllocator", "PagedAllocator", "PagedBlock", "POLICIES", "make_allocator",
+    "LengthPredictor", "OraclePredictor", "NoisyOraclePredictor", "OnlinePredictor", "Request",
+    "make_predictor",
 ]

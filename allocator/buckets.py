@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import collections
 import threading
+import weakref
 
 import numpy as np
 
@@ -90,12 +91,16 @@ class QuantileBuckets:
         self._window: collections.deque = collections.deque(maxlen=window)
         self._lock = threading.Lock()
         self._wake = threading.Event()
-        self._stop = False
+        self._stopped = threading.Event()
         self._thread = None
         if background and not frozen:
-            self._thread = threading.Thread(target=self._run, name="odma-bucket-refresh",
+            # The thread holds only a weak reference, and a finalizer stops it, so buckets
+            # (and the allocator owning them) that are dropped without close() free the thread.
+            self._thread = threading.Thread(target=_refresh_loop, name="odma-bucket-refresh",
+                                            args=(weakref.ref(self), self._wake, self._stopped),
                                             daemon=True)
             self._thread.start()
+            weakref.finalize(self, _stop_refresher, self._wake, self._stopped)
 
     # -- feeding -----------------------------------------------------------------------------
     def record(self, realized: int, predicted: float | None, generated: int, prompt: int) -> None:
@@ -113,18 +118,9 @@ class QuantileBuckets:
             else:
                 self.refresh()
 
-    def _run(self):
-        while True:
-            self._wake.wait()
-            self._wake.clear()
-            if self._stop:
-                return
-            self.refresh()
-
     def close(self) -> None:
         """Stop the background thread (idempotent)."""
-        self._stop = True
-        self._wake.set()
+        _stop_refresher(self._wake, self._stopped)
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
         self._thread = None
@@ -228,3 +224,22 @@ class QuantileBuckets:
             bounds.append(float(cand[j]))
             j = int(choice[k][j])
         return bounds
+
+
+def _refresh_loop(ref, wake: threading.Event, stopped: threading.Event) -> None:
+    """Body of the refresher thread: refresh whenever woken, until stopped or the buckets die."""
+    while True:
+        wake.wait()
+        wake.clear()
+        if stopped.is_set():
+            return
+        buckets = ref()
+        if buckets is None:
+            return
+        buckets.refresh()
+        del buckets
+
+
+def _stop_refresher(wake: threading.Event, stopped: threading.Event) -> None:
+    stopped.set()
+    wake.set()

@@ -21,7 +21,8 @@ class DuplicateRequest(BadArgument):
 
 
 class RequestBusy(BadArgument):
-    """The request is being migrated by another thread; grow()/release() of it must wait."""
+    """The request is being migrated by another thread: grow()/release() of it, and writes to its
+    old block, are refused until the migration is over."""
 
 
 class StaleBlock(BadArgument):
@@ -32,9 +33,25 @@ class PoolTooLarge(BadArgument):
     """The pool asked for is larger than the device can hold."""
 
 
+class AllocatorClosed(BadArgument):
+    """The allocator was closed: its pool is gone, so nothing can be reserved or moved."""
+
+
 class MigrationFailed(DeviceError):
     """The device copy of a migration failed; the request stays in its old block, bytes intact."""
 
 
+class InvariantBroken(OdmaError):
+    """check() found the allocator's bookkeeping inconsistent (a bug, never a caller's mistake)."""
+
+
+def require(condition: bool, message: str) -> None:
+    """Raise InvariantBroken(message) unless `condition` (check() methods: explicit, never
+    `assert`, so they hold under `python -O` too)."""
+    if not condition:
+        raise InvariantBroken(message)
+
+
 __all__ = ["OutOfMemory", "UnknownRequest", "DuplicateRequest", "RequestBusy", "StaleBlock",
-           "PoolTooLarge", "MigrationFailed", "BadArgument", "OdmaError"]
+           "PoolTooLarge", "AllocatorClosed", "MigrationFailed", "InvariantBroken",
+           "BadArgument", "OdmaError", "require"]

@@ -32,7 +32,6 @@ memory, no copies (same allocation decisions, so the same metrics; migration_sec
 from __future__ import annotations
 
 import collections
-import csv
 import heapq
 import json
 import math
@@ -42,12 +41,17 @@ import time
 
 import numpy as np
 
+from odma_hw import argtypes
 from odma_hw.errors import BadArgument
 
-from allocator.baselines import POLICIES
-from allocator.core import LARGE, AllocatorConfig
+from allocator.buckets import RULES
+from allocator.config import BASES, COLD_STARTS, AllocatorConfig
+from allocator.policies import LARGE, POLICIES, make_allocator
 from allocator.errors import OutOfMemory
 from allocator.predictors import PREDICTORS, Request, make_predictor
+from allocator.trace import RequestTrace, arrival_seconds, load_trace
+
+Trace = RequestTrace  # the name replay's callers know
 
 # KV bytes per token: 2 (K and V) x layers x KV heads x head dim x 2 B (bf16)
 MODELS = {
@@ -57,63 +61,14 @@ MODELS = {
     "llama-2-7b": 2 * 32 * 32 * 128 * 2,                  # 524,288 (no GQA)
 }
 GIB = 1 << 30
+MAX_POOL_GIB = 1 << 20  # a PiB: beyond any device; a larger figure is a typo
 
 
-class Trace:
-    """Token counts of a request trace: prompt[i], generated[i], arrival[i] (seconds or None)."""
-
-    def __init__(self, prompt, generated, arrival=None, name="trace"):
-        self.prompt = np.asarray(prompt, dtype=np.int64)
-        self.generated = np.asarray(generated, dtype=np.int64)
-        self.arrival = None if arrival is None else np.asarray(arrival, dtype=np.float64)
-        self.name = name
-        n = len(self.prompt)
-        if n == 0 or len(self.generated) != n or (self.arrival is not None and len(self.arrival) != n):
-            raise BadArgument(f"{name}: a trace needs the same, non-zero number of prompt, "
-                              f"generated (and arrival) values")
-        if (self.prompt < 0).any() or (self.generated < 0).any():
-            raise BadArgument(f"{name}: token counts must be >= 0")
-        if self.arrival is not None and not np.isfinite(self.arrival).all():
-            raise BadArgument(f"{name}: arrival times must be finite numbers")
-
-    def __len__(self):
-        return len(self.prompt)
-
-
-def load_trace(path) -> Trace:
-    """Read a trace CSV with columns num_prefill_tokens, num_decode_tokens [, arrived_at]."""
-    path = os.fspath(path)
-    try:
-        with open(path, newline="") as f:
-            rows = list(csv.DictReader(f))
-    except OSError as exc:
-        raise BadArgument(f"cannot read trace {path}: {exc.strerror or exc}") from None
-    if not rows:
-        raise BadArgument(f"trace {path} has no rows")
-    cols = rows[0].keys()
-    for need in ("num_prefill_tokens", "num_decode_tokens"):
-        if need not in cols:
-            raise BadArgument(f"trace {path} lacks column {need!r} (has {', '.join(cols)})")
-    try:
-        prompt = [int(float(r["num_prefill_tokens"])) for r in rows]
-        gen = [int(float(r["num_decode_tokens"])) for r in rows]
-        arrival = [float(r["arrived_at"]) for r in rows] if "arrived_at" in cols else None
-    except (TypeError, ValueError) as exc:
-        raise BadArgument(f"trace {path}: malformed number ({exc})") from None
-    return Trace(prompt, gen, arrival, name=os.path.basename(path))
-
-
-def _arrival_steps(trace: Trace, rate, time_scale, step_seconds, seed) -> np.ndarray:
-    n = len(trace)
-    if rate is not None:
-        if not rate > 0 or not math.isfinite(rate):
-            raise BadArgument(f"--rate must be a positive number of requests per second, got {rate}")
-        seconds = np.cumsum(np.random.default_rng(seed).exponential(1.0 / rate, n))
-    elif trace.arrival is not None:
-        seconds = (trace.arrival - trace.arrival.min()) * time_scale
-    else:
-        return np.zeros(n, dtype=np.int64)
-    return np.floor(seconds / step_seconds).astype(np.int64)
+def pool_bytes(gib: float) -> int:
+    """--pool-gib in bytes (refusing what no device holds)."""
+    if not (0 < gib <= MAX_POOL_GIB):
+        raise BadArgument(f"--pool-gib must be in (0, {MAX_POOL_GIB}], got {gib}")
+    return int(gib * GIB)
 
 
 def run_replay(trace, policy: str = "odma", predictor: str = "online", *,
@@ -123,11 +78,12 @@ def run_replay(trace, policy: str = "odma", predictor: str = "online", *,
                rate: float | None = None,
                time_scale: float = 1.0, step_seconds: float = 0.05, alpha: float = 1.0,
                tau: float = 4.0, large_share: float = 0.1, noise_sigma: float = 0.3,
-               seed: int = 0, progress: bool = False, samples: int = 400) -> dict:
+               cold_start: str = "prediction", seed: int = 0, progress: bool = False,
+               samples: int = 400) -> dict:
     """Replay `trace` (a Trace or a CSV path) and return the metrics dict (see module doc).
     device: a spec string, a Device, or "none"/None for accounting-only."""
     t_wall = time.perf_counter()
-    if not isinstance(trace, Trace):
+    if not isinstance(trace, RequestTrace):
         trace = load_trace(trace)
     if policy not in POLICIES:
         raise BadArgument(f"unknown policy {policy!r}: expected one of {', '.join(POLICIES)}")
@@ -138,8 +94,9 @@ def run_replay(trace, policy: str = "odma", predictor: str = "online", *,
         if model not in MODELS:
             raise BadArgument(f"unknown model {model!r}: expected one of {', '.join(MODELS)}")
         bytes_per_token = MODELS[model]
-    if not (step_seconds > 0 and time_scale > 0):
-        raise BadArgument("step_seconds and time_scale must be > 0")
+    if not (step_seconds > 0 and math.isfinite(step_seconds)):
+        raise BadArgument(f"step_seconds must be a finite number > 0, got {step_seconds}")
+    arrive = np.floor(arrival_seconds(trace, rate, time_scale, seed) / step_seconds).astype(np.int64)
     prompt = trace.prompt.tolist()
     gen = [max(1, g) for g in trace.generated.tolist()]   # every request makes >= 1 token
     longest = max(p + g for p, g in zip(prompt, gen))
@@ -151,19 +108,20 @@ def run_replay(trace, policy: str = "odma", predictor: str = "online", *,
         predictor = "oracle"  # the oracle policy reserves the realized length by definition
     config = AllocatorConfig(alpha=alpha, tau=tau, n_buckets=n_buckets, bucket_rule=bucket_rule,
                              bucket_basis=bucket_basis, background_refresh=False,
-                             large_share=large_share)
+                             large_share=large_share, cold_start=cold_start)
     dev = None if device in (None, "none") else device
-    alloc = POLICIES[policy](dev, int(pool_bytes), int(bytes_per_token), max_tokens, config)
+    alloc = make_allocator(policy, dev, pool_bytes, bytes_per_token, max_tokens, config)
     try:
         return _replay(trace, alloc, make_predictor(predictor, seed=seed) if predictor != "noisy"
                        else PREDICTORS["noisy"](sigma=noise_sigma, seed=seed),
-                       prompt, gen, _arrival_steps(trace, rate, time_scale, step_seconds, seed),
+                       prompt, gen, arrive,
                        policy, predictor, samples, progress, t_wall,
                        dict(model=model, bytes_per_token=bytes_per_token, max_tokens=max_tokens,
                             pool_bytes=alloc.pool_bytes, n_buckets=n_buckets,
                             bucket_rule=bucket_rule, bucket_basis=bucket_basis,
                             alpha=alpha, tau=tau,
-                            large_share=large_share, step_seconds=step_seconds,
+                            large_share=large_share, cold_start=cold_start,
+                            step_seconds=step_seconds,
                             time_scale=time_scale, rate=rate, seed=seed,
                             noise_sigma=noise_sigma if predictor == "noisy" else None,
                             device=None if alloc.device is None else alloc.device.spec))
@@ -176,7 +134,7 @@ def _replay(trace, alloc, pred, prompt, gen, arrive, policy, predictor, samples,
     n = len(prompt)
     order = sorted(range(n), key=lambda i: (arrive[i], i))
     arrive = arrive.tolist()
-    real_bytes = getattr(alloc, "_buffer", None) is not None
+    real_bytes = alloc.holds_bytes
     bpt = alloc.bytes_per_token
     pool_tokens = alloc.pool_bytes / bpt
 
@@ -418,12 +376,13 @@ def _cmd(args) -> int:
     device = args.device or default_device()
     result = run_replay(
         args.trace, args.policy, args.predictor, model=args.model,
-        bytes_per_token=args.bytes_per_token, pool_bytes=int(args.pool_gib * GIB),
+        bytes_per_token=args.bytes_per_token, pool_bytes=pool_bytes(args.pool_gib),
         max_tokens=args.max_tokens, n_buckets=args.buckets, bucket_rule=args.bucket_rule,
         bucket_basis=args.bucket_basis,
         device=device, rate=args.rate, time_scale=args.time_scale,
         step_seconds=args.step_seconds, alpha=args.alpha, tau=args.tau,
-        large_share=args.large_share, seed=args.seed, progress=not args.json or sys.stderr.isatty())
+        large_share=args.large_share, cold_start=args.cold_start, seed=args.seed,
+        progress=not args.json or sys.stderr.isatty())
     if args.plot:
         plot(result, args.plot)
     if args.json:
@@ -452,63 +411,60 @@ def _cmd(args) -> int:
     return 0
 
 
-def _positive_float(text):
-    try:
-        v = float(text)
-    except ValueError:
-        raise BadArgument(f"not a number: {text!r}") from None
-    if not v > 0 or not math.isfinite(v):
-        raise BadArgument(f"must be a positive number: {text!r}")
-    return v
+def add_workload_arguments(p) -> None:
+    """Trace, load and model options shared by `replay` and `simulate`."""
+    p.add_argument("--trace", required=True, metavar="CSV",
+                   help="request trace: num_prefill_tokens, num_decode_tokens [, arrived_at]")
+    p.add_argument("--rate", type=argtypes.positive_float, default=None, metavar="REQ/S",
+                   help="Poisson arrivals at this many requests/s instead of arrived_at")
+    p.add_argument("--time-scale", type=argtypes.positive_float, default=1.0,
+                   help="multiply arrived_at by this (< 1 = more load)")
+    p.add_argument("--max-tokens", type=argtypes.positive_int, default=None,
+                   help="max tokens per request (default: the longest request of the trace)")
+    p.add_argument("--seed", type=argtypes.seed, default=0,
+                   help="seeds Poisson arrivals and noisy predictions (default 0)")
+
+
+def add_policy_arguments(p) -> None:
+    """Allocation policy and predictor options shared by `replay` and `simulate`."""
+    p.add_argument("--predictor", default="online", choices=list(PREDICTORS),
+                   help="length predictor for odma/s3/oracle (default online)")
+    p.add_argument("--buckets", type=argtypes.positive_int, default=8,
+                   help="regular buckets (default 8)")
+    p.add_argument("--bucket-rule", default="min-waste", choices=list(RULES),
+                   help="min-waste (ours) or occupancy (the paper's equal-occupancy quantiles)")
+    p.add_argument("--bucket-basis", default="generated", choices=list(BASES),
+                   help="bounds count generated tokens (block = prompt + bound; the paper's "
+                        "Eq. 2) or whole KV footprints (block = bound)")
+    p.add_argument("--cold-start", default="prediction", choices=list(COLD_STARTS),
+                   help="before the first bucket refresh, size blocks by the prediction "
+                        "(default) or by equal-width bounds up to --max-tokens")
+    p.add_argument("--alpha", type=argtypes.nonnegative_float, default=1.0,
+                   help="L' = L (1 + alpha u)")
+    p.add_argument("--tau", type=argtypes.nonnegative_float, default=4.0,
+                   help="u > tau: large bucket")
+    p.add_argument("--large-share", type=argtypes.unit_fraction, default=0.1,
+                   help="pool share reserved for the large bucket")
 
 
 def register(subparsers) -> None:
-    import argparse
-
-    def number(kind):
-        def parse(text):
-            try:
-                return kind(text)
-            except ValueError:
-                raise argparse.ArgumentTypeError(f"not a valid {kind.__name__}: {text!r}") from None
-        return parse
-
     p = subparsers.add_parser(
         "replay", help="replay a request-length trace through a KV allocation policy",
         description=__doc__.split("\n\n")[0])
-    p.add_argument("--trace", required=True, help="CSV with num_prefill_tokens, num_decode_tokens "
-                   "[, arrived_at]")
+    add_workload_arguments(p)
     p.add_argument("--policy", default="odma", choices=list(POLICIES))
-    p.add_argument("--predictor", default="online", choices=list(PREDICTORS),
-                   help="length predictor for odma/s3/oracle (default online)")
+    add_policy_arguments(p)
     p.add_argument("--model", default="qwen2.5-7b", choices=list(MODELS),
                    help="sets the KV bytes per token (default qwen2.5-7b: 57,344 B)")
-    p.add_argument("--bytes-per-token", type=number(int), default=None,
+    p.add_argument("--bytes-per-token", type=argtypes.positive_int, default=None,
                    help="KV bytes per token (overrides --model)")
-    p.add_argument("--pool-gib", type=number(float), default=6.0,
+    p.add_argument("--pool-gib", type=argtypes.positive_float, default=6.0,
                    help="KV pool size per device in GiB (default 6)")
-    p.add_argument("--max-tokens", type=number(int), default=None,
-                   help="max tokens per request (default: the longest request of the trace)")
-    p.add_argument("--buckets", type=number(int), default=8, help="regular buckets (default 8)")
-    p.add_argument("--bucket-rule", default="min-waste", choices=["min-waste", "occupancy"],
-                   help="min-waste (ours) or occupancy (the paper's equal-occupancy quantiles)")
-    p.add_argument("--bucket-basis", default="generated", choices=["generated", "footprint"],
-                   help="bounds count generated tokens (block = prompt + bound; the paper's "
-                        "Eq. 2) or whole KV footprints (block = bound)")
     p.add_argument("--device", default=None,
                    help="device holding the pool (default host, else torch:cpu); 'none' = "
                         "accounting only: no memory, no copies, same metrics")
-    p.add_argument("--rate", type=number(float), default=None,
-                   help="Poisson arrivals at this many requests/s instead of arrived_at")
-    p.add_argument("--time-scale", type=number(float), default=1.0,
-                   help="multiply arrived_at by this (< 1 = more load)")
-    p.add_argument("--step-seconds", type=number(float), default=0.05,
+    p.add_argument("--step-seconds", type=argtypes.positive_float, default=0.05,
                    help="seconds per decode step (maps arrival times to steps)")
-    p.add_argument("--alpha", type=number(float), default=1.0, help="L' = L (1 + alpha u)")
-    p.add_argument("--tau", type=number(float), default=4.0, help="u > tau: large bucket")
-    p.add_argument("--large-share", type=number(float), default=0.1,
-                   help="pool share reserved for the large bucket")
-    p.add_argument("--seed", type=number(int), default=0)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--series", action="store_true", help="with --json: include the time series")
     p.add_argument("--plot", metavar="PNG", help="plot occupancy, fragmentation, concurrency")

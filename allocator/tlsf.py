@@ -25,6 +25,8 @@ range can be device memory the host never touches.
 
 from __future__ import annotations
 
+from allocator.errors import require
+
 SL_BITS = 5
 SL_COUNT = 1 << SL_BITS
 FL_COUNT = 64
@@ -211,31 +213,37 @@ class TlsfFreeSpace:
         return sorted(self._used.items())
 
     def check(self) -> None:
-        """Walk the whole range and verify every invariant in the class docstring."""
+        """Walk the whole range and verify every invariant in the class docstring
+        (InvariantBroken when one does not hold)."""
         ranges = [(o, s, "free") for o, s in self._free_start.items()]
         ranges += [(o, s, "used") for o, s in self._used.items()]
         ranges.sort()
         pos = self.base
         prev_free = False
         for off, size, kind in ranges:
-            assert off == pos, f"gap or overlap at {pos}: next range starts at {off}"
-            assert size > 0 and off % self.alignment == 0 and size % self.alignment == 0
-            assert not (prev_free and kind == "free"), f"adjacent free ranges at {off}"
+            require(off == pos, f"gap or overlap at {pos}: next range starts at {off}")
+            require(size > 0 and off % self.alignment == 0 and size % self.alignment == 0,
+                    f"{kind} range ({off}, {size}) is empty or misaligned")
+            require(not (prev_free and kind == "free"), f"adjacent free ranges at {off}")
             prev_free = kind == "free"
             pos = off + size
-        assert pos == self.base + self.size, f"ranges end at {pos}, not {self.base + self.size}"
-        assert sum(self._free_start.values()) == self.free_bytes
-        assert sum(self._used.values()) == self.used_bytes
-        assert self.free_bytes + self.used_bytes == self.size
-        assert len(self._free_end) == len(self._free_start)
+        require(pos == self.base + self.size, f"ranges end at {pos}, not {self.base + self.size}")
+        require(sum(self._free_start.values()) == self.free_bytes, "free byte count is off")
+        require(sum(self._used.values()) == self.used_bytes, "used byte count is off")
+        require(self.free_bytes + self.used_bytes == self.size, "free + used != size")
+        require(len(self._free_end) == len(self._free_start), "free-range end index is off")
         listed = 0
         for fl in range(FL_COUNT):
-            assert bool(self._fl_bitmap >> fl & 1) == bool(self._sl_bitmap[fl])
+            require(bool(self._fl_bitmap >> fl & 1) == bool(self._sl_bitmap[fl]),
+                    f"first-level bit {fl} disagrees with its second-level bitmap")
             for sl in range(SL_COUNT):
                 lst = self._lists[fl][sl]
-                assert bool(self._sl_bitmap[fl] >> sl & 1) == bool(lst)
+                require(bool(self._sl_bitmap[fl] >> sl & 1) == bool(lst),
+                        f"bit ({fl}, {sl}) disagrees with its free list")
                 for off, size in lst.items():
-                    assert size_class(size >> self._shift) == (fl, sl)
-                    assert self._free_start[off] == size
+                    require(size_class(size >> self._shift) == (fl, sl),
+                            f"free range ({off}, {size}) is filed in the wrong class")
+                    require(self._free_start.get(off) == size,
+                            f"free range ({off}, {size}) is listed but not indexed")
                 listed += len(lst)
-        assert listed == len(self._free_start)
+        require(listed == len(self._free_start), "a free range is indexed but not listed")

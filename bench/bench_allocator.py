@@ -34,7 +34,7 @@ def test_reserve_release_with_live_blocks(benchmark, live):
         alloc.reserve(("live", i), rng.randint(1, 500), rng.uniform(1, 500), rng.random())
     for i in range(1000):                     # learn bounds so reservations spread over buckets
         alloc.reserve(("warm", i), 100, 200)
-        alloc.release(("warm", i), rng.randint(1, 250))
+        alloc.release(("warm", i), rng.randint(1, 200))
     alloc.refresh_buckets()
     ids = iter(range(10 ** 9))
 

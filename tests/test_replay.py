@@ -95,30 +95,66 @@ def test_cli_json_has_the_contract_keys(tmp_path, capsys):
     assert png.stat().st_size > 0
 
 
+def exit_code(argv) -> int:
+    """The CLI's exit status, whether argparse or the command returned it."""
+    try:
+        return main(argv)
+    except SystemExit as exc:
+        return exc.code
+
+
 @pytest.mark.parametrize("args, message", [
     (["--trace", "/no/such.csv"], "cannot read trace"),
     (["--policy", "magic"], "invalid choice"),
     (["--max-tokens", "5"], "below the longest request"),
     (["--rate", "-1"], "--rate"),
     (["--device", "nonsense"], "unknown device"),
+    (["--pool-gib", "nan"], "--pool-gib"),
+    (["--pool-gib", "inf"], "--pool-gib"),
+    (["--pool-gib", "1e300"], "--pool-gib"),
+    (["--seed", "-1"], "--seed"),
+    (["--rate", "1e-300"], "30 days"),
+    (["--time-scale", "0"], "--time-scale"),
+    (["--step-seconds", "nan"], "--step-seconds"),
+    (["--buckets", "0"], "--buckets"),
+    (["--large-share", "1"], "--large-share"),
+    (["--alpha", "nan"], "--alpha"),
 ])
 def test_cli_bad_usage_exits_2_with_one_line(tmp_path, capsys, args, message):
     path = tmp_path / "t.csv"
-    path.write_text("num_prefill_tokens,num_decode_tokens\n10,20\n")
+    path.write_text("num_prefill_tokens,num_decode_tokens\n10,20\n5,5\n")
     argv = ["replay", "--trace", str(path), "--device", "none", "--pool-gib", "0.01"] + args
-    with pytest.raises(SystemExit) if "invalid choice" in message else _nothing():
-        code = main(argv)
-        assert code == 2
+    assert exit_code(argv) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1
 
 
-class _nothing:
-    def __enter__(self):
-        return self
+@pytest.mark.parametrize("content, message", [
+    (b"num_prefill_tokens,num_decode_tokens\n99999999999999999999,5\n", "line 2"),
+    (b"num_prefill_tokens,num_decode_tokens\ninf,5\n", "not a whole number"),
+    (b"num_prefill_tokens,num_decode_tokens\n10.5,5\n", "not a whole number"),
+    (b"num_prefill_tokens,num_decode_tokens\n10,x\n", "not a number"),
+    (b"num_prefill_tokens,num_decode_tokens\n10\n", "not a number"),
+    (b"\x89PNG\r\n\x1a\n\x00\x00\xff\xfe binary", "not a UTF-8 text CSV"),
+    (b"num_prefill_tokens,num_decode_tokens\x00\n1,2\n", "lacks column"),
+    (b"arrived_at,num_prefill_tokens,num_decode_tokens\n0,10,5\n1e300,10,5\n", "30 days"),
+    (b"arrived_at,num_prefill_tokens,num_decode_tokens\nnan,10,5\n", "not finite"),
+    (b"num_prefill_tokens,num_decode_tokens\n", "no rows"),
+])
+def test_a_bad_trace_file_is_one_line_before_any_work(tmp_path, capsys, content, message):
+    path = tmp_path / "t.csv"
+    path.write_bytes(content)
+    assert exit_code(["replay", "--trace", str(path), "--device", "none"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1
 
-    def __exit__(self, *exc):
-        return False
+
+def test_a_directory_is_named_as_one_and_a_bom_is_fine(tmp_path, capsys):
+    assert exit_code(["replay", "--trace", str(tmp_path), "--device", "none"]) == 2
+    assert "is a directory" in capsys.readouterr().err
+    path = tmp_path / "bom.csv"
+    path.write_bytes("\ufeffnum_prefill_tokens,num_decode_tokens\n10,20\n".encode())
+    assert len(load_trace(path)) == 1
 
 
 def test_malformed_trace_is_bad_argument(tmp_path):

@@ -1,0 +1,66 @@
+"""AllocatorConfig: the knobs of the allocation policies and of the contiguous pool."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from odma_hw.errors import BadArgument
+
+from allocator.arguments import amount
+from allocator.buckets import RULES
+
+BASES = ("generated", "footprint")
+COLD_STARTS = ("prediction", "equal-width")
+
+
+@dataclasses.dataclass(frozen=True)
+class AllocatorConfig:
+    """Knobs of the ODMA policy and pool; every field has the default the replays use."""
+
+    alpha: float = 1.0              # L' = L (1 + alpha u)
+    tau: float = 4.0                # u > tau: straight to the large bucket
+    n_buckets: int = 8              # regular buckets (the large bucket is extra)
+    bucket_basis: str = "generated"  # bounds count generated tokens (block = prompt + bound,
+    #                                  the paper's Eq. 2) or the whole "footprint"
+    bucket_rule: str = "min-waste"  # or "occupancy" (the paper's equal-occupancy quantiles)
+    window: int = 10_000            # completions the bounds are learned from
+    refresh_every: int = 1_000      # completions between refreshes
+    background_refresh: bool = True  # refresh on a thread (False: inline, deterministic)
+    token_alignment: int = 16       # bucket bounds / capacities are multiples of this (tokens)
+    byte_alignment: int | None = None  # block offsets; None: the device's alignment
+    large_share: float = 0.1        # share of the pool reserved for the large bucket
+    migration_penalty: float = 1.0  # min-waste rule: cost of a migration, in mean requests
+    initial_bounds: tuple | None = None  # bounds before the first refresh (None: see cold_start)
+    cold_start: str = "prediction"  # before the first refresh: size blocks by the prediction
+    #                                 itself, or by "equal-width" bounds up to max_tokens
+    copy_chunk_bytes: int | None = None  # migration copy chunk (None: one streaming copy)
+
+    def __post_init__(self):
+        for name in ("alpha", "tau", "migration_penalty"):
+            amount(name, getattr(self, name), allow_inf=name == "tau")
+        for name in ("n_buckets", "window", "refresh_every", "token_alignment"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise BadArgument(f"{name} must be a positive integer, got {v!r}")
+        for name, value, allowed in (("bucket basis", self.bucket_basis, BASES),
+                                     ("bucket rule", self.bucket_rule, RULES),
+                                     ("cold start", self.cold_start, COLD_STARTS)):
+            if value not in allowed:
+                raise BadArgument(f"unknown {name} {value!r}: expected one of {', '.join(allowed)}")
+        a = self.byte_alignment
+        if a is not None and (not isinstance(a, int) or a <= 0 or a & (a - 1)):
+            raise BadArgument(f"byte_alignment must be a power of two, got {a!r}")
+        c = self.copy_chunk_bytes
+        if c is not None and (not isinstance(c, int) or isinstance(c, bool) or c <= 0):
+            raise BadArgument(f"copy_chunk_bytes must be a positive integer, got {c!r}")
+        if not 0 <= self.large_share < 1:
+            raise BadArgument(f"large_share must be in [0, 1), got {self.large_share!r}")
+
+
+def check_config(config) -> AllocatorConfig:
+    """`config`, or the defaults for None; BadArgument for anything else."""
+    if config is None:
+        return AllocatorConfig()
+    if not isinstance(config, AllocatorConfig):
+        raise BadArgument(f"config must be an AllocatorConfig, got {config!r}")
+    return config

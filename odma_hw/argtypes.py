@@ -1,0 +1,69 @@
+"""argparse value types shared by the subcommands: each refuses what it cannot use with a short
+reason, which the parser prints as one line with exit status 2 before any work starts."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+
+def _number(text: str, kind):
+    try:
+        return kind(text)
+    except (ValueError, OverflowError):
+        raise argparse.ArgumentTypeError(
+            f"{'an integer' if kind is int else 'a number'} is needed, not {text!r}") from None
+
+
+def count(text: str) -> int:
+    """An integer >= 0."""
+    v = _number(text, int)
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, not {v}")
+    return v
+
+
+def positive_int(text: str) -> int:
+    v = _number(text, int)
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, not {v}")
+    return v
+
+
+def positive_float(text: str) -> float:
+    """A finite number > 0."""
+    v = _number(text, float)
+    if not (v > 0 and math.isfinite(v)):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, not {text!r}")
+    return v
+
+
+def nonnegative_float(text: str) -> float:
+    v = _number(text, float)
+    if not (v >= 0 and math.isfinite(v)):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, not {text!r}")
+    return v
+
+
+def unit_fraction(text: str) -> float:
+    """A number in [0, 1)."""
+    v = _number(text, float)
+    if not 0 <= v < 1:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1), not {text!r}")
+    return v
+
+
+def positive_floats(text: str) -> list[float]:
+    """'0.5,1,2' -> [0.5, 1.0, 2.0]: a comma-separated list of finite numbers > 0."""
+    parts = [p.strip() for p in text.split(",")]
+    if not text.strip() or any(not p for p in parts):
+        raise argparse.ArgumentTypeError(f"expected numbers separated by commas, not {text!r}")
+    return [positive_float(p) for p in parts]
+
+
+def seed(text: str) -> int:
+    """A random seed: an integer in [0, 2**63)."""
+    v = count(text)
+    if v >= 1 << 63:
+        raise argparse.ArgumentTypeError(f"a seed must be below 2**63, not {v}")
+    return v
