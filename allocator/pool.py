@@ -252,6 +252,15 @@ class PoolAllocator:
         """True when blocks hold real bytes on a device (False: accounting only)."""
         return self._pool.holds_bytes
 
+    def pool_tensor(self):
+        """The whole pool as a uint8 torch tensor (a view, no copy; torch devices only): what a
+        paged kernel indexes with a block table."""
+        dev = self.device
+        if dev is None or not hasattr(dev, "tensor"):
+            raise BadArgument(f"tensor views need a torch device, not {getattr(dev, 'spec', None)}")
+        self._check_open()
+        return dev.tensor(self._pool.buffer, 0, self._pool.nbytes)
+
     def _check_open(self) -> None:
         if self._closed:
             raise AllocatorClosed(f"this {self.name} allocator is closed")

@@ -151,11 +151,12 @@ class OnlinePredictor:
 PREDICTORS = {"oracle": OraclePredictor, "noisy": NoisyOraclePredictor, "online": OnlinePredictor}
 
 
-def make_predictor(name: str, *, seed: int = 0) -> LengthPredictor:
+def make_predictor(name: str, *, seed: int = 0, sigma: float = 0.3) -> LengthPredictor:
+    """A predictor by name; `sigma` is the noisy oracle's log-normal error."""
     if name == "oracle":
         return OraclePredictor()
     if name == "noisy":
-        return NoisyOraclePredictor(seed=seed)
+        return NoisyOraclePredictor(sigma=sigma, seed=seed)
     if name == "online":
         return OnlinePredictor()
     raise BadArgument(f"unknown predictor {name!r}: expected one of {', '.join(PREDICTORS)}")

@@ -41,7 +41,7 @@ import time
 
 import numpy as np
 
-from odma_hw import argtypes
+from odma_hw import argtypes, plotting
 from odma_hw.errors import BadArgument
 
 from allocator.buckets import RULES
@@ -112,8 +112,7 @@ def run_replay(trace, policy: str = "odma", predictor: str = "online", *,
     dev = None if device in (None, "none") else device
     alloc = make_allocator(policy, dev, pool_bytes, bytes_per_token, max_tokens, config)
     try:
-        return _replay(trace, alloc, make_predictor(predictor, seed=seed) if predictor != "noisy"
-                       else PREDICTORS["noisy"](sigma=noise_sigma, seed=seed),
+        return _replay(trace, alloc, make_predictor(predictor, seed=seed, sigma=noise_sigma),
                        prompt, gen, arrive,
                        policy, predictor, samples, progress, t_wall,
                        dict(model=model, bytes_per_token=bytes_per_token, max_tokens=max_tokens,
@@ -249,8 +248,8 @@ def _replay(trace, alloc, pred, prompt, gen, arrive, policy, predictor, samples,
                 A -= prompt[i] - start[i]
                 R -= cap[i]
                 done = T - 1 - start[i]    # rerun it, knowing it makes more than that
-                L, u = predicted[i]
-                predicted[i] = (max(L, done + 1.0), u)
+                L, _ = predicted[i]        # and that it was mispredicted: large bucket
+                predicted[i] = (max(L, done + 1.0), math.inf)
                 waiting.appendleft(i)
                 continue
             overflowed[i] = True
@@ -348,13 +347,7 @@ def default_device() -> str:
 
 
 def plot(result: dict, path: str) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as exc:
-        raise BadArgument(f"--plot needs matplotlib ({exc}); pip install 'odma-hw[plot]'") from None
+    plt = plotting.pyplot()
     s = result["series"]
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
     steps = [x["step"] for x in s]
@@ -368,11 +361,12 @@ def plot(result: dict, path: str) -> None:
     ax2.set_ylabel("running requests")
     ax2.set_xlabel("decode step")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    plotting.save(fig, path)
 
 
 def _cmd(args) -> int:
+    if args.plot:
+        plotting.check_plot_path(args.plot)
     device = args.device or default_device()
     result = run_replay(
         args.trace, args.policy, args.predictor, model=args.model,
@@ -383,13 +377,11 @@ def _cmd(args) -> int:
         step_seconds=args.step_seconds, alpha=args.alpha, tau=args.tau,
         large_share=args.large_share, cold_start=args.cold_start, seed=args.seed,
         progress=not args.json or sys.stderr.isatty())
-    if args.plot:
-        plot(result, args.plot)
     if args.json:
-        result = dict(result)
+        shown = dict(result)
         if not args.series:
-            result.pop("series")
-        print(json.dumps(result, indent=1))
+            shown.pop("series")
+        print(json.dumps(shown, indent=1))
     else:
         r = result
         print(f"{r['trace']}: policy {r['policy']}, predictor {r['predictor']}, "
@@ -408,6 +400,8 @@ def _cmd(args) -> int:
             print(f"  segments per request mean {r['segments_per_request_mean']:.1f}, max "
                   f"{r['segments_per_request_max']}")
         print(f"  {r['wall_seconds']:.1f} s")
+    if args.plot:
+        plot(result, args.plot)
     return 0
 
 

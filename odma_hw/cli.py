@@ -18,6 +18,7 @@ COMMAND_MODULES = {
     "odma_hw.probe": ("devices", "probe"),
     "odma_hw.emu.cli": ("emulate",),
     "allocator.replay": ("replay",),
+    "allocator.serving.cli": ("simulate",),
 }
 
 

@@ -179,3 +179,22 @@ def test_issue_targets_on_the_real_traces(name):
     assert odma["utilization"] >= 0.6
     assert odma["utilization"] >= 2 * static["utilization"]
     assert odma["migrations"] <= 0.05 * odma["requests"]
+
+
+@pytest.mark.parametrize("plot, message", [
+    ("/nonexistent/dir/x.png", "does not exist"),
+    ("x.xyz", "unknown image format"),
+])
+def test_a_bad_plot_path_is_refused_before_the_replay(tmp_path, capsys, monkeypatch, plot,
+                                                      message):
+    monkeypatch.chdir(tmp_path)
+    path = tmp_path / "t.csv"
+    path.write_text("num_prefill_tokens,num_decode_tokens\n10,20\n")
+    import allocator.replay as replay
+
+    def must_not_run(*a, **k):
+        raise AssertionError("the replay ran before the plot path was checked")
+    monkeypatch.setattr(replay, "run_replay", must_not_run)
+    assert exit_code(["replay", "--trace", str(path), "--device", "none", "--plot", plot]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1

@@ -1,0 +1,247 @@
+"""`odma-hw simulate`: tokens per second, latency and KV utilization of serving a request trace
+with each KV allocation policy, on an emulated or measured device.
+
+Every policy sees the same requests at the same (Poisson or trace) arrival times; a list of
+rates prints one row per rate and policy.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from odma_hw import argtypes, plotting
+from odma_hw.errors import BadArgument
+
+from allocator.config import AllocatorConfig
+from allocator.policies import POLICIES
+from allocator.replay import add_policy_arguments
+from allocator.serving.engine import (PAGED_LAYOUTS, ServingSetup, fit_lengths,
+                                     progress_printer, run_policy)
+from allocator.serving.presets import ACCELERATORS, MODEL_ALIASES, MODELS, accelerator, model_spec
+from allocator.serving.timing import EmuSettings, make_timing
+from allocator.trace import RequestTrace, arrival_seconds, load_trace
+
+SCHEMA = "odma-hw.simulate/1"
+DEFAULT_POLICIES = "odma,static,paged"
+
+
+def _policies(text: str) -> list[str]:
+    names = [p.strip() for p in text.split(",") if p.strip()]
+    bad = [p for p in names if p not in POLICIES]
+    if not names or bad:
+        raise BadArgument(f"unknown policy {', '.join(bad) or repr(text)}: expected a comma-"
+                          f"separated list of {', '.join(POLICIES)}")
+    return list(dict.fromkeys(names))
+
+
+def simulate(trace, policies=("odma", "static", "paged"), rates=(None,), *,
+             model="deepseek-r1-distill-qwen-7b", device="mlu370-x4", timing=None,
+             emu: EmuSettings | None = None, dtype="bf16", tp=1, replicas=1, requests=None,
+             max_model_len=None, clip=False, time_scale=1.0, seed=0, config=None,
+             progress=False, **setup_args) -> list[dict]:
+    """Simulate every (rate, policy) pair; returns one result dict per pair, rates outermost.
+    `trace` is a RequestTrace or a CSV path; `timing` a source string (default: the device's
+    emulated memory, emu:<its preset>); `emu` the emulator settings of an emu source."""
+    if not isinstance(trace, RequestTrace):
+        trace = load_trace(trace)
+    if requests is not None:
+        n = argtypes.positive_int(str(requests))
+        trace = RequestTrace(trace.prompt[:n], trace.generated[:n],
+                             None if trace.arrival is None else trace.arrival[:n],
+                             name=f"{trace.name}[:{n}]")
+    for p in policies:
+        if p not in POLICIES:
+            raise BadArgument(f"unknown policy {p!r}: expected one of {', '.join(POLICIES)}")
+    m, dev = model_spec(model), accelerator(device)
+    if not (isinstance(replicas, int) and replicas >= 1):
+        raise BadArgument(f"replicas must be a positive integer, got {replicas!r}")
+    emu = emu or EmuSettings(preset=dev.emu_preset, channels=dev.emu_channels)
+    source = timing or f"emu:{dev.emu_preset}"
+    setup = ServingSetup(m, dev, None, dtype=dtype, tp=tp, max_model_len=max_model_len or 0,
+                         config=config or AllocatorConfig(background_refresh=False), seed=seed,
+                         **setup_args)
+    # every check that can fail before the timing source runs the emulator
+    arrivals = [arrival_seconds(trace, rate, time_scale, seed) for rate in rates]
+    _, _, _, setup.max_model_len, _, _ = fit_lengths(trace, max_model_len, m, clip)
+    setup.pool_bytes()
+    setup.timing = make_timing(source, dev.bandwidth_gbps, emu)
+    out = []
+    for rate, arr in zip(rates, arrivals):
+        for p in policies:
+            show = progress_printer(f"{p}" + (f" @ {rate:g} req/s" if rate else "")) \
+                if progress else None
+            r = run_policy(trace, arr, p, setup, replicas=replicas, clip=clip, progress=show)
+            r["rate"] = rate
+            r["offered_rate"] = (len(trace) / max(float(arr.max()), 1e-12)
+                                 if len(trace) > 1 else None)
+            out.append(r)
+    return out
+
+
+def format_table(results: list[dict]) -> str:
+    head = ["rate", "policy", "tok/s", "req/s", "TTFT p50", "TTFT p99", "TPOT p50", "E2E p50",
+            "E2E p99", "util", "batch", "peak", "preempt", "migr", "KV share"]
+    rows = [head]
+    for r in results:
+        def ms(x):
+            return "-" if x is None else (f"{x * 1e3:.0f}ms" if x < 1 else f"{x:.1f}s")
+        rows.append([
+            "trace" if r["rate"] is None else f"{r['rate']:g}", r["policy"] + (
+                f"/{r['layout']}" if r["policy"] == "paged" else ""),
+            f"{r['output_tps']:.1f}", f"{r['requests_per_s']:.3f}", ms(r["ttft_s"]["p50"]),
+            ms(r["ttft_s"]["p99"]), ms(r["tpot_s"]["p50"]), ms(r["e2e_s"]["p50"]),
+            ms(r["e2e_s"]["p99"]),
+            "-" if r["utilization"] is None else f"{r['utilization']:.3f}",
+            f"{r['mean_batch']:.1f}", str(r["peak_batch"]), str(r["preemptions"]),
+            str(r["migrations"]), f"{r['step_time_share']['kv']:.2f}"])
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows]
+    lines.insert(1, "-" * len(lines[0]))
+    r = results[0]
+    st, t = r["settings"], r["timing"]
+    lines.append(
+        f"{r['trace']}: {r['requests']} requests; {st['model']} {st['dtype']} on "
+        f"{st['device']} TP{st['tp']} x {st['replicas']} replica(s); KV pool "
+        f"{r['kv_pool_gb_per_card']:.2f} GB/card ({r['kv_pool_tokens']} tokens); max model len "
+        f"{st['max_model_len']}; timing {t['source']} (seq {t['seq_gbps']:.0f} GB/s, 16 KiB "
+        f"runs {t['run_gbps']['16384']:.0f} GB/s)")
+    lines.append("util = KV used / KV reserved over completed requests; KV share = share of "
+                 "decode step time spent reading KV; TPOT = time per output token")
+    return "\n".join(lines)
+
+
+def plot(results: list[dict], path: str) -> None:
+    plt = plotting.pyplot()
+
+    policies = list(dict.fromkeys(r["policy"] for r in results))
+    rates = sorted({r["rate"] for r in results if r["rate"] is not None})
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    ax = axes[0]
+    for p in policies:
+        rs = [r for r in results if r["policy"] == p and r["rate"] is not None]
+        if rs:
+            ax.plot([r["rate"] for r in rs], [r["output_tps"] for r in rs], marker="o", label=p)
+    ax.set_xlabel("offered load (requests/s)")
+    ax.set_ylabel("output tokens/s")
+    ax.set_title("throughput vs load" if rates else "(one load: see the time series)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    last = [r for r in results if r["rate"] == (rates[-1] if rates else None)]
+    for r in last:
+        t = [x["t"] for x in r["series"]]
+        axes[1].plot(t, [x["running"] for x in r["series"]], label=r["policy"])
+        axes[2].plot(t, [x["occupancy"] for x in r["series"]], label=r["policy"])
+    axes[1].set_title("running batch over time" + (f" ({rates[-1]:g} req/s)" if rates else ""))
+    axes[1].set_xlabel("simulated seconds")
+    axes[2].set_title("KV pool reserved over time")
+    axes[2].set_xlabel("simulated seconds")
+    axes[2].set_ylim(0, 1.05)
+    for ax in axes[1:]:
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    plotting.save(fig, path)
+
+
+def _cmd(args) -> int:
+    if args.plot:
+        plotting.check_plot_path(args.plot)
+    policies = _policies(args.policy)
+    config = AllocatorConfig(alpha=args.alpha, tau=args.tau, n_buckets=args.buckets,
+                             bucket_rule=args.bucket_rule, bucket_basis=args.bucket_basis,
+                             large_share=args.large_share, cold_start=args.cold_start,
+                             background_refresh=False)
+    dev = accelerator(args.device)
+    emu = EmuSettings(preset=dev.emu_preset,
+                      channels=args.channels if args.channels else dev.emu_channels,
+                      interleave=args.interleave, address_map=args.address_map,
+                      streams=args.streams, chunk_bytes=args.chunk_bytes)
+    results = simulate(
+        args.trace, policies, args.rate or [None], model=args.model, device=args.device,
+        timing=args.timing, emu=emu, dtype=args.dtype, tp=args.tp, replicas=args.replicas,
+        requests=args.requests, max_model_len=args.max_model_len, clip=args.clip,
+        time_scale=args.time_scale, seed=args.seed, config=config,
+        progress=not args.json or sys.stderr.isatty(),
+        max_batch=args.max_batch, mfu=args.mfu, memory_utilization=args.memory_utilization,
+        kv_pool_gb=args.kv_pool_gb, paged_layout=args.layout, page_tokens=args.page_tokens,
+        predictor=args.predictor)
+    if args.json:
+        rows = [dict(r) for r in results]
+        if not args.series:
+            for r in rows:
+                r.pop("series")
+        print(json.dumps({"schema": SCHEMA, "results": rows}, indent=1))
+    else:
+        print(format_table(results))
+    if args.plot:
+        plot(results, args.plot)
+    return 0
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "simulate", help="serving simulation: tokens/s of each KV allocation policy",
+        description=__doc__.split("\n\n")[0] + " Memory timing comes from the emulator (default: "
+        "the device's emulated DRAM), a probe JSON, or a live torch measurement.")
+    p.add_argument("--trace", required=True, metavar="CSV",
+                   help="request trace: num_prefill_tokens, num_decode_tokens [, arrived_at]")
+    p.add_argument("--requests", type=argtypes.positive_int, default=None, metavar="N",
+                   help="serve only the first N requests of the trace")
+    p.add_argument("--rate", type=argtypes.positive_floats, default=None, metavar="R[,R...]",
+                   help="Poisson arrivals at these requests/s (one run each; default: the "
+                        "trace's arrived_at, else all at once)")
+    p.add_argument("--time-scale", type=argtypes.positive_float, default=1.0,
+                   help="multiply arrived_at by this (< 1 = more load)")
+    p.add_argument("--seed", type=argtypes.seed, default=0,
+                   help="seeds arrivals and noisy predictions (default 0)")
+    p.add_argument("--policy", default=DEFAULT_POLICIES, metavar="P[,P...]",
+                   help=f"policies among {', '.join(POLICIES)} (default {DEFAULT_POLICIES})")
+    add_policy_arguments(p)
+    p.add_argument("--model", default="deepseek-r1-distill-qwen-7b",
+                   choices=list(MODELS) + list(MODEL_ALIASES))
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "int8"],
+                   help="weight type (KV stays bf16)")
+    p.add_argument("--device", default="mlu370-x4", choices=list(ACCELERATORS),
+                   help="card preset (default mlu370-x4; a100-80gb is the HBM contrast)")
+    p.add_argument("--tp", type=argtypes.positive_int, default=1,
+                   help="tensor-parallel cards per replica (default 1)")
+    p.add_argument("--replicas", type=argtypes.positive_int, default=1,
+                   help="independent replicas, requests dealt round robin (default 1)")
+    p.add_argument("--timing", default=None, metavar="SOURCE",
+                   help="emu:PRESET (default: the device's), probe:FILE (odma-hw probe --json "
+                        "output) or live:torch:DEVICE")
+    p.add_argument("--channels", type=argtypes.positive_int, default=None,
+                   help="emulated channels (default: the device's)")
+    p.add_argument("--interleave", type=argtypes.positive_int, default=None, metavar="BYTES",
+                   help="emulated channel-interleave granule (default 256)")
+    p.add_argument("--address-map", default="bg", choices=["bg", "rbc", "xor"],
+                   help="emulated address map (default bg)")
+    p.add_argument("--streams", type=argtypes.positive_int, default=1,
+                   help="KV runs in flight at the memory controller at once (default 1)")
+    p.add_argument("--chunk-bytes", type=argtypes.positive_int, default=None,
+                   help="with --streams > 1: bytes of one run before another's interleave")
+    p.add_argument("--layout", default="hnd", choices=list(PAGED_LAYOUTS),
+                   help="paged KV layout: v06 (vLLM 0.6), hnd (vllm-mlu, default), nhd (vLLM v1)")
+    p.add_argument("--page-tokens", type=argtypes.positive_int, default=16,
+                   help="tokens per page of the paged policy (default 16)")
+    p.add_argument("--max-model-len", type=argtypes.positive_int, default=None,
+                   help="longest request served; static blocks are this long (default: the "
+                        "longest request of the trace)")
+    p.add_argument("--clip", action="store_true",
+                   help="drop prompts longer than --max-model-len and cut generations there, "
+                        "instead of refusing the trace")
+    p.add_argument("--max-batch", type=argtypes.positive_int, default=256,
+                   help="running requests at most (vLLM max_num_seqs, default 256)")
+    p.add_argument("--mfu", type=argtypes.positive_float, default=0.5,
+                   help="prefill compute efficiency, in (0, 1] (default 0.5)")
+    p.add_argument("--memory-utilization", type=argtypes.positive_float, default=0.9,
+                   help="share of card memory for weights + KV (default 0.9)")
+    p.add_argument("--kv-pool-gb", type=argtypes.positive_float, default=None,
+                   help="KV pool per card in GB (default: what the weights leave)")
+    p.add_argument("--json", action="store_true", help=f"print one JSON object ({SCHEMA})")
+    p.add_argument("--series", action="store_true", help="with --json: include time series")
+    p.add_argument("--plot", metavar="PNG",
+                   help="tokens/s vs rate per policy; batch and KV occupancy over time")
+    p.set_defaults(func=_cmd)
+

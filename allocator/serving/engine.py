@@ -1,0 +1,634 @@
+"""The serving simulation: continuous batching of a request trace on one card or a TP group,
+with every KV decision made by a real allocator and every step timed by a memory timing source.
+
+Scheduler (vLLM v0 style, iteration level):
+- Between steps, waiting requests are admitted first-come first-served while the allocator can
+  reserve their KV (no skipping), the batch holds at most max_batch requests and their prompts
+  at most max_prefill_tokens. Admitted prompts are prefilled whole, in one prefill iteration that
+  runs before the next decode step (decoding pauses), and each produces its first token there.
+- Every decode step produces one token for every running request. A request making its j-th
+  token holds prompt + j tokens of KV (the slot of the token being made included) and reads all
+  of them. When that outgrows its block the allocator grows it: a contiguous policy migrates
+  (the copy stalls the step), paging appends pages. On OutOfMemory the request is preempted:
+  its KV is freed and it goes back to the head of the queue; when readmitted its prompt and the
+  tokens it already made are prefilled again (recompute) and it carries on where it stopped.
+- No request is lost: the simulation ends when every request has made all its tokens.
+
+Step time (one card of the group; TP cards work in parallel on their shares):
+    decode = weights / (seq GB/s) + sum over running requests of their KV runs / (run GB/s)
+             + layers x layer overhead + batch x request overhead + all-reduce (TP > 1)
+    prefill = max(FLOPs / (peak x MFU), bytes / seq GB/s) + layers x layer overhead + all-reduce
+    migration = 2 x bytes copied / copy GB/s (the copy counts read + write)
+KV runs by layout, per card with h KV heads, head_dim x 2 B = g bytes per token per run:
+    contiguous: 2 x layers x h runs of ctx x g bytes;
+    paged "v06" and "hnd" (vLLM 0.6 / vllm-mlu): one run of page_tokens x g per page, layer,
+      K or V and head; with one KV head per card, consecutive pages of a request merge;
+    paged "nhd" (vLLM v1): one run of page_tokens x h x g per page, layer, K or V; consecutive
+      pages merge.
+
+Event driven: between two events (an arrival, a completion, a block outgrown, a page boundary)
+the batch does not change and each request's KV time grows linearly with its context, so step
+times are linear in the step index and any number of steps is summed in closed form; efficiencies
+are re-read from the timing source at every event of the request (and every RELINEARIZE steps).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import heapq
+import math
+import sys
+import time
+
+import numpy as np
+
+from odma_hw.errors import BadArgument
+
+from allocator.config import AllocatorConfig
+from allocator.errors import OutOfMemory
+from allocator.policies import make_allocator
+from allocator.predictors import Request, make_predictor
+from allocator.serving.presets import DTYPE_BYTES, Accelerator, ModelSpec
+
+LAYOUTS = ("contiguous", "v06", "hnd", "nhd")
+PAGED_LAYOUTS = LAYOUTS[1:]
+RELINEARIZE = 64                 # steps between re-reads of a contiguous request's efficiency
+SERIES_POINTS = 400
+
+
+@dataclasses.dataclass
+class ServingSetup:
+    """Everything a run needs besides the trace and the policy."""
+
+    model: ModelSpec
+    device: Accelerator
+    timing: object                  # a MemoryTiming
+    dtype: str = "bf16"
+    tp: int = 1
+    max_model_len: int = 0          # set by the caller (static blocks are this long)
+    max_batch: int = 256
+    max_prefill_tokens: int = 0     # 0: max(max_model_len, 2048), vLLM v0's default
+    mfu: float = 0.5
+    memory_utilization: float = 0.9
+    kv_pool_gb: float | None = None  # per card; None: utilization x capacity - weights
+    paged_layout: str = "hnd"
+    page_tokens: int = 16
+    predictor: str = "online"
+    noise_sigma: float = 0.3
+    config: AllocatorConfig = AllocatorConfig(background_refresh=False)
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.paged_layout not in PAGED_LAYOUTS:
+            raise BadArgument(f"unknown paged layout {self.paged_layout!r}: expected one of "
+                              f"{', '.join(PAGED_LAYOUTS)}")
+        if self.dtype not in DTYPE_BYTES:
+            raise BadArgument(f"unknown dtype {self.dtype!r}: expected bf16 or int8")
+        if not (isinstance(self.tp, int) and 1 <= self.tp <= 64):
+            raise BadArgument(f"tp must be an integer in [1, 64], got {self.tp!r}")
+        if not 0 < self.mfu <= 1:
+            raise BadArgument(f"mfu must be in (0, 1], got {self.mfu}")
+        if not 0 < self.memory_utilization <= 1:
+            raise BadArgument(f"memory utilization must be in (0, 1], got "
+                              f"{self.memory_utilization}")
+
+    # -- what one card holds and reads ---------------------------------------------------------
+    @property
+    def kv_heads_per_card(self) -> int:
+        """KV heads split over TP cards; with fewer heads than cards each card keeps one."""
+        return max(1, self.model.kv_heads // self.tp)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        m = self.model
+        return 2 * m.layers * self.kv_heads_per_card * m.kv_run_bytes_per_token
+
+    @property
+    def weight_bytes(self) -> float:
+        """Weights one card streams per step (its 1/TP share)."""
+        return self.model.streamed_weight_bytes(self.dtype) / self.tp
+
+    def pool_bytes(self) -> int:
+        if self.kv_pool_gb is not None:
+            return int(self.kv_pool_gb * 1e9)
+        free = (self.memory_utilization * self.device.capacity_gb * 1e9
+                - self.model.weight_bytes(self.dtype) / self.tp)
+        if free < self.max_model_len * self.kv_bytes_per_token:
+            raise BadArgument(
+                f"{self.model.name} ({self.dtype}) leaves {max(free, 0) / 1e9:.2f} GB per "
+                f"{self.device.name} card at TP{self.tp}: not enough KV for one "
+                f"{self.max_model_len}-token request")
+        return int(free)
+
+    def run_layout(self, layout: str):
+        """(runs per token-run, bytes per token in one run, whether a request's consecutive
+        pages merge into one run) for a layout on one card."""
+        m, h = self.model, self.kv_heads_per_card
+        g = m.kv_run_bytes_per_token
+        if layout == "contiguous":
+            return 2 * m.layers * h, g, True
+        if layout == "nhd":
+            return 2 * m.layers, h * g, True
+        return 2 * m.layers * h, g, h == 1          # v06, hnd: a run per (page, head)
+
+
+class RequestState:
+    __slots__ = ("rid", "prompt", "gen", "made", "arrival", "first_token", "finish",
+                 "preemptions", "predicted", "start_step", "start_ctx", "a", "slope", "ab",
+                 "sb", "epoch", "cap", "replica")
+
+    def __init__(self, rid, prompt, gen, arrival):
+        self.rid = rid
+        self.prompt = prompt        # tokens of the original prompt
+        self.gen = gen              # tokens it makes in all
+        self.made = 0               # tokens made so far (kept across preemptions)
+        self.arrival = arrival
+        self.first_token = None
+        self.finish = None
+        self.preemptions = 0
+        self.predicted = None       # (L, u) made once, before the first admission
+        self.start_step = 0         # decode step at which `start_ctx` holds
+        self.start_ctx = 0
+        self.a = 0.0                # KV seconds at step s = a + s x slope
+        self.slope = 0.0
+        self.ab = 0.0               # KV bytes at step s = ab + s x sb
+        self.sb = 0.0
+        self.epoch = 0
+        self.cap = 0
+
+
+class Simulation:
+    """One replica (a card or a TP group) serving its share of the requests."""
+
+    def __init__(self, setup: ServingSetup, policy: str, requests: list[RequestState],
+                 progress=None):
+        self.s = setup
+        self.policy = policy
+        self.layout = "contiguous" if policy != "paged" else setup.paged_layout
+        self.requests = requests
+        self.progress = progress
+        self.bpt = setup.kv_bytes_per_token
+        self.alloc = make_allocator(policy, None, setup.pool_bytes(), self.bpt,
+                                    setup.max_model_len, setup.config,
+                                    page_tokens=setup.page_tokens)
+        self.predictor = make_predictor("oracle" if policy == "oracle" else setup.predictor,
+                                        seed=setup.seed, sigma=setup.noise_sigma)
+        t = setup.timing
+        self.seq_gbps = float(t.seq_gbps)
+        self.copy_gbps = float(t.copy_gbps)
+        self.runs_per_unit, self.run_unit_bytes, self.merge = setup.run_layout(self.layout)
+        m, d = setup.model, setup.device
+        # per step, independent of the batch: weights and per-layer overheads
+        self.w_seconds = setup.weight_bytes / (self.seq_gbps * 1e9)
+        self.layer_seconds = m.layers * d.layer_overhead_us * 1e-6
+        # all-reduce: 2 per layer of batch x hidden x 2 B, ring over TP cards
+        tp = setup.tp
+        if tp > 1:
+            ring = 2 * (tp - 1) / tp
+            self.ar_const = 2 * m.layers * 2 * (tp - 1) * d.link_latency_us * 1e-6
+            self.ar_per_token = 2 * m.layers * ring * m.hidden * 2 / (d.link_gbps * 1e9)
+        else:
+            self.ar_const = self.ar_per_token = 0.0
+        self.req_seconds = d.request_overhead_us * 1e-6
+        self.card_flops = d.peak_tflops(setup.dtype) * 1e12
+        self.max_prefill = setup.max_prefill_tokens or max(setup.max_model_len, 2048)
+
+    # -- KV time of one request, linear in the step index --------------------------------------
+    def _linearize(self, r: RequestState, step: int, ctx: int, blk) -> None:
+        """Set r.a/r.slope (seconds) and r.ab/r.sb (bytes) so that at decode step s its KV read
+        takes a + s x slope, with ctx tokens at `step`."""
+        unit = self.run_unit_bytes
+        n = self.runs_per_unit
+        per_token = n * unit
+        gbps = self.s.timing.run_gbps
+        if self.layout == "contiguous":
+            run = ctx * unit
+            bw = float(gbps(run)) * 1e9
+            secs = n * run / bw
+            slope = per_token / bw
+        else:
+            pt = self.s.page_tokens
+            if self.merge:
+                runs = blk.runs()
+                pages = np.array([k for _, k in runs], dtype=np.float64)
+                full = pages * pt
+                full[-1] -= len(blk.pages) * pt - ctx      # the last page is partly filled
+                run_bytes = np.maximum(full, 1) * unit
+                bws = gbps(run_bytes) * 1e9
+                secs = float(n * (run_bytes / bws).sum())
+                slope = per_token / float(bws[-1])
+            else:
+                bw = float(gbps(pt * unit)) * 1e9
+                secs = n * ctx * unit / bw
+                slope = per_token / bw
+        r.slope = slope
+        r.a = secs - step * slope
+        r.sb = per_token
+        r.ab = ctx * per_token - step * per_token
+
+    def _grow(self, i: int, total: int) -> tuple[object, float]:
+        """Grow request i to `total` tokens: (its block, seconds a migration stalled the step).
+        Raises OutOfMemory (the request stays in its old block)."""
+        alloc = self.alloc
+        old = alloc.block(i)
+        # the KV written so far (every token before this step's): what a migration copies
+        old.mark_written(min((total - 1) * self.bpt, old.nbytes))
+        moved = alloc.migrated_bytes
+        blk = alloc.grow(i, total)
+        if blk is old:
+            return blk, 0.0
+        return blk, 2.0 * (alloc.migrated_bytes - moved) / (self.copy_gbps * 1e9)
+
+    @staticmethod
+    def _steps_until(dt: float, c0: float, slope: float, step: int) -> int:
+        """Smallest K >= 1 such that steps step .. step + K - 1, the k-th taking
+        c0 + slope x k seconds, last at least dt seconds in all."""
+        if dt <= 0:
+            return 1
+        b = c0 + slope * (step - 0.5)
+        if slope <= 1e-18 * max(b, 1e-30):
+            k = math.ceil(dt / b)
+        else:
+            a = slope / 2
+            k = math.ceil((-b + math.sqrt(b * b + 4 * a * dt)) / (2 * a))
+        k = max(1, k)
+        while k > 1 and (k - 1) * c0 + slope * ((k - 1) * step + (k - 1) * (k - 2) / 2) >= dt:
+            k -= 1
+        while k * c0 + slope * (k * step + k * (k - 1) / 2) < dt:
+            k += 1
+        return k
+
+    def run(self) -> dict:
+        """Serve every request; returns the metrics (see summarise())."""
+        s = self.s
+        alloc = self.alloc
+        reqs = self.requests
+        n = len(reqs)
+        order = sorted(range(n), key=lambda i: (reqs[i].arrival, i))
+        running: dict[int, RequestState] = {}
+        waiting: collections.deque = collections.deque()
+        events: list = []       # (step, kind, request, epoch): 0 done, 1 outgrown, 2 re-read
+        sums = [0.0, 0.0, 0.0, 0.0]   # over running requests: a, slope, ab, sb
+        step = 0                # decode steps done; the next one has this index
+        now = t_first = reqs[order[0]].arrival
+        next_arrival = 0
+        done = 0
+        tot = collections.Counter()   # seconds by component, and counts
+        peak_batch = 0
+        floor_margin = math.inf       # min over steps of step seconds / (bytes / peak)
+        series: list = []
+        next_sample = now
+        last_progress = time.perf_counter()
+        pool = alloc.pool_bytes
+        peak_bw = s.timing.peak_gbps * 1e9
+
+        def add(r, sign):
+            sums[0] += sign * r.a
+            sums[1] += sign * r.slope
+            sums[2] += sign * r.ab
+            sums[3] += sign * r.sb
+
+        def relinearize(i, r, blk):
+            add(r, -1)
+            r.cap = blk.capacity_tokens
+            self._linearize(r, r.start_step, r.prompt + r.made + 1, blk)
+            add(r, +1)
+
+        def schedule(i, r):
+            """Events of a running request from its snapshot (made at start_step)."""
+            e, base = r.epoch, r.start_step
+            heapq.heappush(events, (base + r.gen - r.made, 0, i, e))
+            if r.prompt + r.gen > r.cap:       # the step needing cap + 1 tokens
+                heapq.heappush(events, (base + r.cap - r.prompt - r.made, 1, i, e))
+            if self.layout == "contiguous" and r.gen - r.made > RELINEARIZE:
+                heapq.heappush(events, (base + RELINEARIZE, 2, i, e))
+
+        def finish(i, r, t):
+            nonlocal done
+            blk = alloc.block(i)
+            alloc.release(i, r.prompt + r.gen - blk.prompt_tokens)
+            self.predictor.observe(Request(i, r.prompt, r.gen), r.gen)
+            r.made = r.gen
+            r.finish = t
+            done += 1
+
+        def preempt(i, r):
+            if i in running:
+                add(r, -1)
+                del running[i]
+            alloc.release(i, preempted=True)
+            r.epoch += 1
+            r.preemptions += 1
+            tot["preemptions"] += 1
+            L, _ = r.predicted
+            # mispredicted, as seen: it makes more than that, and nobody knows how much more
+            # (u = inf sends it to ODMA's large bucket, as the paper routes overflows)
+            r.predicted = (max(L, r.made + 1.0), math.inf)
+            waiting.appendleft(i)
+
+        def admit() -> float:
+            """FCFS admission and the prefill iteration of the admitted; its seconds."""
+            admitted = []
+            tokens = 0
+            while waiting and len(running) + len(admitted) < s.max_batch:
+                i = waiting[0]
+                r = reqs[i]
+                held = r.prompt + r.made               # a rerun recomputes what it made
+                if admitted and tokens + held > self.max_prefill:
+                    break
+                if r.predicted is None:
+                    r.predicted = self.predictor.predict(Request(i, r.prompt, r.gen))
+                L, u = r.predicted
+                try:
+                    blk = alloc.reserve(i, held, max(0.0, L - r.made), u)
+                except OutOfMemory:
+                    if not running and not admitted:
+                        raise BadArgument(
+                            f"request {i} ({r.prompt} + {r.gen} tokens) does not fit in an "
+                            f"empty KV pool of {pool / 1e9:.2f} GB") from None
+                    break
+                waiting.popleft()
+                admitted.append((i, r, held))
+                tokens += held
+            if not admitted:
+                return 0.0
+            flops = sum(s.model.prefill_flops(h) for _, _, h in admitted) / s.tp
+            nbytes = s.weight_bytes + tokens * self.bpt
+            secs = (max(flops / (self.card_flops * s.mfu), nbytes / (self.seq_gbps * 1e9))
+                    + self.layer_seconds + self.ar_const + tokens * self.ar_per_token)
+            tot["prefill_floor_margin_min"] = min(
+                tot.get("prefill_floor_margin_min", math.inf),
+                secs / max(flops / self.card_flops, nbytes / peak_bw))
+            end = now + secs
+            stall = 0.0
+            for i, r, _ in admitted:
+                if r.first_token is None:
+                    r.first_token = end
+                r.made += 1
+                # the slot of the token just made, and of the next one if it makes more
+                need = r.prompt + r.made + (r.made < r.gen)
+                try:
+                    blk = alloc.block(i)
+                    if need > blk.capacity_tokens:
+                        blk, extra = self._grow(i, need)
+                        stall += extra
+                except OutOfMemory:
+                    preempt(i, r)
+                    continue
+                if r.made >= r.gen:                    # a one-token request is done
+                    finish(i, r, end)
+                    continue
+                r.start_step = step
+                r.cap = blk.capacity_tokens
+                self._linearize(r, step, need, blk)
+                add(r, +1)
+                running[i] = r
+                schedule(i, r)
+            tot["prefill"] += secs
+            tot["migration"] += stall
+            tot["prefills"] += 1
+            tot["prefill_tokens"] += tokens
+            return secs + stall
+
+        while done < n:
+            while next_arrival < n and reqs[order[next_arrival]].arrival <= now:
+                waiting.append(order[next_arrival])
+                next_arrival += 1
+            if waiting and len(running) < s.max_batch:
+                secs = admit()
+                peak_batch = max(peak_batch, len(running))
+                if secs:
+                    tot["occupancy_seconds"] += secs * alloc.reserved_bytes / pool
+                    now += secs
+                    continue
+            if not running:
+                if next_arrival >= n:
+                    raise RuntimeError("simulation stalled: requests wait and nothing runs")
+                now = max(now, reqs[order[next_arrival]].arrival)
+                continue
+            # decode steps up to the next event, or to the step during which a request arrives
+            nb = len(running)
+            c = (self.w_seconds + self.layer_seconds + nb * (self.req_seconds + self.ar_per_token)
+                 + self.ar_const)
+            a, sl, ab, sb = sums
+            k = events[0][0] - step
+            if next_arrival < n and not waiting and nb < s.max_batch:
+                dt = reqs[order[next_arrival]].arrival - now
+                k = min(k, self._steps_until(dt, c + a, sl, step))
+            k = max(1, k)
+            tri = k * step + k * (k - 1) / 2          # sum of the step indices
+            kv = k * a + sl * tri
+            secs = k * c + kv
+            for at in (step, step + k - 1):           # both ends: time and bytes are linear
+                floor_margin = min(floor_margin, (c + a + sl * at)
+                                   / ((s.weight_bytes + ab + sb * at) / peak_bw))
+            tot["decode"] += secs
+            tot["kv"] += kv
+            tot["weights"] += k * self.w_seconds
+            tot["overheads"] += k * (self.layer_seconds + nb * self.req_seconds)
+            tot["allreduce"] += k * (self.ar_const + nb * self.ar_per_token)
+            tot["steps"] += k
+            tot["kv_bytes"] += k * ab + sb * tri
+            tot["batch_seconds"] += nb * secs
+            tot["occupancy_seconds"] += secs * alloc.reserved_bytes / pool
+            now += secs
+            step += k
+            stall = 0.0
+            while events and events[0][0] <= step:
+                at, kind, i, e = heapq.heappop(events)
+                r = reqs[i]
+                if e != r.epoch or i not in running:
+                    continue
+                if kind == 0:
+                    add(r, -1)
+                    del running[i]
+                    finish(i, r, now)
+                    continue
+                r.made += at - r.start_step
+                r.start_step = at
+                if kind == 1:
+                    try:
+                        blk, extra = self._grow(i, r.prompt + r.made + 1)
+                    except OutOfMemory:
+                        preempt(i, r)
+                        continue
+                    stall += extra
+                    relinearize(i, r, blk)
+                    if r.prompt + r.gen > r.cap:
+                        heapq.heappush(events, (at + r.cap - r.prompt - r.made, 1, i, e))
+                else:
+                    relinearize(i, r, alloc.block(i))
+                    if r.gen - r.made > RELINEARIZE:
+                        heapq.heappush(events, (at + RELINEARIZE, 2, i, e))
+            if stall:
+                tot["migration"] += stall
+                now += stall
+            if now >= next_sample:
+                next_sample = now + max(1e-3, (now - t_first) / SERIES_POINTS)
+                series.append((now, len(running), len(waiting), alloc.reserved_bytes / pool))
+            if self.progress and time.perf_counter() - last_progress > 1.0:
+                last_progress = time.perf_counter()
+                self.progress(done, n, now)
+        tot["peak_batch"] = peak_batch
+        tot["floor_margin_min"] = floor_margin
+        return dict(totals=tot, series=series, t_first=t_first, t_end=now,
+                    allocator=alloc.stats())
+
+
+# ----------------------------------------------------------------------------- whole runs
+def _percentiles(values) -> dict:
+    if not len(values):
+        return {"mean": None, "p50": None, "p90": None, "p99": None}
+    v = np.asarray(values, dtype=np.float64)
+    p50, p90, p99 = np.percentile(v, [50, 90, 99])
+    return {"mean": float(v.mean()), "p50": float(p50), "p90": float(p90), "p99": float(p99)}
+
+
+def fit_lengths(trace, max_model_len: int | None, model: ModelSpec, clip: bool):
+    """(prompt, generated, kept indices, max_model_len, counts of dropped/truncated requests).
+    Every request makes at least one token. A request longer than max_model_len (or than the
+    model's context) is refused, unless clip: then a prompt that alone does not fit is dropped
+    (a server rejects it) and a generation is cut where the length runs out (a server stops)."""
+    prompt = trace.prompt.astype(np.int64)
+    gen = np.maximum(trace.generated.astype(np.int64), 1)
+    longest = int((prompt + gen).max())
+    cap = longest if max_model_len is None else int(max_model_len)
+    if cap > model.max_context:
+        if max_model_len is not None:
+            raise BadArgument(f"--max-model-len {cap} exceeds {model.name}'s context of "
+                              f"{model.max_context} tokens")
+        cap = model.max_context
+    over = prompt + gen > cap
+    if over.any() and not clip:
+        i = int(np.flatnonzero(over)[0])
+        raise BadArgument(f"{int(over.sum())} requests of {trace.name} exceed the "
+                          f"{cap}-token limit (request {i}: {prompt[i]} + {gen[i]} tokens; "
+                          f"{model.name} takes {model.max_context}): pass --clip to drop "
+                          f"or truncate them, or raise --max-model-len")
+    keep = np.flatnonzero(prompt < cap)
+    dropped = len(prompt) - len(keep)
+    truncated = int((over[keep]).sum())
+    gen = np.minimum(gen, cap - prompt)
+    if not len(keep):
+        raise BadArgument(f"no request of {trace.name} fits in {cap} tokens")
+    return prompt[keep], gen[keep], keep, cap, dropped, truncated
+
+
+def run_policy(trace, arrivals, policy: str, setup: ServingSetup, *, replicas: int = 1,
+               clip: bool = False, progress=None) -> dict:
+    """Serve `trace` (arrival seconds given) with `policy` on `replicas` replicas (request i
+    goes to replica i mod replicas); the metrics of the whole run."""
+    t_wall = time.perf_counter()
+    prompt, gen, keep, cap, dropped, truncated = fit_lengths(trace, setup.max_model_len or None,
+                                                             setup.model, clip)
+    setup = dataclasses.replace(setup, max_model_len=cap)
+    arrive = np.asarray(arrivals, dtype=np.float64)[keep]
+    results = []
+    all_reqs = []
+    for rep in range(replicas):
+        idx = np.arange(rep, len(keep), replicas)
+        if not len(idx):
+            continue
+        reqs = [RequestState(int(j), int(prompt[j]), int(gen[j]), float(arrive[j])) for j in idx]
+        sim = Simulation(setup, policy, reqs, progress)
+        try:
+            results.append(sim.run())
+        finally:
+            sim.alloc.close()
+        results[-1]["used_tokens"] = sim.alloc.used_tokens_sum
+        results[-1]["reserved_tokens"] = sim.alloc.reserved_tokens_sum
+        results[-1]["layout"] = sim.layout
+        results[-1]["pool_bytes"] = sim.alloc.pool_bytes
+        all_reqs += reqs
+    return summarise(trace, policy, setup, results, all_reqs, replicas, dropped, truncated,
+                     time.perf_counter() - t_wall)
+
+
+def summarise(trace, policy, setup, results, reqs, replicas, dropped, truncated, wall) -> dict:
+    tot = collections.Counter()
+    for r in results:
+        for k, v in r["totals"].items():
+            if k.endswith("_min"):
+                tot[k] = min(tot.get(k, math.inf), v)
+            elif k == "peak_batch":
+                tot[k] = max(tot[k], v)
+            else:
+                tot[k] += v
+    t0 = min(r["t_first"] for r in results)
+    t1 = max(r["t_end"] for r in results)
+    span = max(t1 - t0, 1e-12)
+    made = sum(q.gen for q in reqs)
+    ttft = [q.first_token - q.arrival for q in reqs]
+    e2e = [q.finish - q.arrival for q in reqs]
+    tpot = [(q.finish - q.first_token) / (q.gen - 1) for q in reqs if q.gen > 1]
+    decode = tot["decode"] or 1e-30
+    busy = tot["decode"] + tot["prefill"] + tot["migration"]
+    used = sum(r["used_tokens"] for r in results)
+    reserved = sum(r["reserved_tokens"] for r in results)
+    alloc_stats = [r["allocator"] for r in results]
+    weight_bytes = tot["steps"] * setup.weight_bytes
+    out = {
+        "schema": "odma-hw.simulate/1",
+        "policy": policy,
+        "layout": results[0]["layout"],
+        "trace": trace.name,
+        "requests": len(reqs),
+        "completed": sum(q.finish is not None for q in reqs),
+        "lost": sum(q.finish is None for q in reqs),
+        "dropped_over_length": dropped,
+        "truncated_over_length": truncated,
+        "duration_s": span,
+        "output_tokens": made,
+        "output_tps": made / span,
+        "requests_per_s": len(reqs) / span,
+        "ttft_s": _percentiles(ttft),
+        "tpot_s": _percentiles(tpot),
+        "e2e_s": _percentiles(e2e),
+        "utilization": used / reserved if reserved else None,
+        "mean_batch": tot["batch_seconds"] / decode,
+        "peak_batch": int(tot["peak_batch"]),
+        "preemptions": int(tot["preemptions"]),
+        "migrations": sum(a.get("migrations", 0) for a in alloc_stats),
+        "migrated_bytes": sum(a.get("migrated_bytes", 0) for a in alloc_stats),
+        "migration_s": tot["migration"],
+        "steps": int(tot["steps"]),
+        "mean_step_s": decode / tot["steps"] if tot["steps"] else None,
+        "step_time_share": {k: tot[k] / decode for k in ("kv", "weights", "overheads",
+                                                         "allreduce")},
+        "busy_time_share": {k: tot[k] / busy if busy else None
+                            for k in ("decode", "prefill", "migration")},
+        "kv_read_bytes_share": (tot["kv_bytes"] / (tot["kv_bytes"] + weight_bytes)
+                                if tot["steps"] else None),
+        "time_avg_occupancy": tot["occupancy_seconds"] / busy if busy else None,
+        "floor_margin_min": tot.get("floor_margin_min"),
+        "prefill_floor_margin_min": tot.get("prefill_floor_margin_min"),
+        "kv_pool_gb_per_card": results[0]["pool_bytes"] / 1e9,
+        "kv_pool_tokens": results[0]["pool_bytes"] // setup.kv_bytes_per_token,
+        "wall_seconds": wall,
+        "settings": {
+            "model": setup.model.name, "dtype": setup.dtype, "device": setup.device.name,
+            "tp": setup.tp, "replicas": replicas, "max_model_len": setup.max_model_len,
+            "max_batch": setup.max_batch, "mfu": setup.mfu, "page_tokens": setup.page_tokens,
+            "predictor": "oracle" if policy == "oracle" else setup.predictor,
+            "prefill": "whole prompts, prefill-first (vLLM v0)",
+            "dispatch": "round robin" if replicas > 1 else None,
+            "kv_bytes_per_token_per_card": setup.kv_bytes_per_token,
+            "weight_bytes_per_card": setup.weight_bytes, "seed": setup.seed,
+        },
+        "timing": setup.timing.describe(),
+        "series": [{"t": t, "running": nr, "waiting": nw, "occupancy": o}
+                   for t, nr, nw, o in results[0]["series"]],
+    }
+    return out
+
+
+def progress_printer(label: str, stream=sys.stderr):
+    """A progress callback: one line per second on stderr."""
+    start = time.perf_counter()
+
+    def show(done, total, sim_time):
+        stream.write(f"simulate {label}: {done}/{total} requests, {sim_time:.0f} s simulated, "
+                     f"{time.perf_counter() - start:.0f} s\n")
+        stream.flush()
+    return show

@@ -1,0 +1,257 @@
+"""`odma-hw simulate`: physical floors, the batch-1 decode time, no lost request, the same load
+for every policy, and bad input refused before any work."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from allocator.serving import timing as timing_mod
+from allocator.serving.cli import simulate
+from allocator.serving.engine import ServingSetup, run_policy
+from allocator.serving.presets import accelerator, model_spec
+from allocator.serving.timing import EmuSettings, EmuTiming, MeasuredTiming, probe_timing
+from allocator.trace import RequestTrace, arrival_seconds
+from odma_hw.cli import main
+
+TRACES = Path(os.environ.get("ODMA_TRACES",
+                             Path(__file__).resolve().parents[1].parent / "shared" / "traces"))
+QWEN = model_spec("deepseek-r1-distill-qwen-7b")
+MLU = accelerator("mlu370-x4")
+
+
+@pytest.fixture(autouse=True)
+def cache(tmp_path_factory, monkeypatch):
+    """One emulator efficiency cache for the module's tests (computed once, then read)."""
+    monkeypatch.setenv("ODMA_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "odma-cache"))
+
+
+@pytest.fixture(scope="module")
+def mlu_timing(tmp_path_factory):
+    os.environ["ODMA_CACHE_DIR"] = str(tmp_path_factory.getbasetemp() / "odma-cache")
+    return EmuTiming(MLU.bandwidth_gbps, EmuSettings(preset="mlu370-x4"))
+
+
+def synthetic(n=300, seed=0, long_prompts=False):
+    rng = np.random.default_rng(seed)
+    prompt = rng.integers(20, 3000 if long_prompts else 600, n)
+    gen = np.minimum(rng.lognormal(4.5, 0.9, n).astype(int) + 1, 1500)
+    return RequestTrace(prompt, gen, None, name="synthetic")
+
+
+def setup(timing, **kw):
+    kw.setdefault("max_model_len", 4096)
+    return ServingSetup(QWEN, MLU, timing, **kw)
+
+
+# ------------------------------------------------------------------------ the physical floors
+@pytest.mark.parametrize("policy", ["odma", "static", "paged", "oracle"])
+def test_no_step_beats_bytes_over_peak_nor_prefill_flops_over_peak(policy, mlu_timing):
+    trace = synthetic()
+    r = run_policy(trace, arrival_seconds(trace, 3.0), policy, setup(mlu_timing))
+    assert r["floor_margin_min"] >= 1.0
+    assert r["prefill_floor_margin_min"] >= 1.0
+    # and the floor is tight where it should be: weights stream at the emulated efficiency
+    assert r["floor_margin_min"] < 1.0 / mlu_timing.seq_efficiency + 0.05
+
+
+def test_batch_one_decode_time_is_weights_over_sequential_bandwidth_plus_overheads(mlu_timing):
+    """One request, nothing else running: TPOT = streamed weights / (307.2 GB/s x the
+    emulator's sequential efficiency) + its KV read + per-layer and per-request overheads."""
+    trace = RequestTrace([100], [400], None, name="one")
+    r = run_policy(trace, [0.0], "odma", setup(mlu_timing))
+    seq = MLU.bandwidth_gbps * 1e9 * mlu_timing.seq_efficiency
+    overheads = QWEN.layers * MLU.layer_overhead_us * 1e-6 + MLU.request_overhead_us * 1e-6
+    weights = QWEN.streamed_weight_bytes() / seq
+    kv_mean = 300 * QWEN.kv_bytes_per_token / (MLU.bandwidth_gbps * 1e9 * 0.7)   # ~ctx 300
+    tpot = r["tpot_s"]["p50"]
+    assert weights + overheads < tpot < weights + overheads + 2 * kv_mean
+    # the issue's figure counts the whole 15.23 GB of bf16 weights (the embedding table too)
+    issue_figure = QWEN.weight_bytes() / seq + overheads
+    assert abs(tpot - issue_figure) / issue_figure < 0.10
+
+
+# ------------------------------------------------------------------------ serving behaviour
+@pytest.mark.parametrize("policy", ["odma", "static", "s3", "paged", "oracle"])
+def test_every_request_completes_even_under_preemption(policy, mlu_timing):
+    trace = synthetic(400, seed=1)
+    s = setup(mlu_timing, kv_pool_gb=0.4)            # ~7k tokens: preemption is certain
+    r = run_policy(trace, arrival_seconds(trace, 50.0, seed=2), policy, s)
+    assert r["completed"] == r["requests"] == 400 and r["lost"] == 0
+    assert r["output_tokens"] == int(np.maximum(trace.generated, 1).sum())
+    if policy in ("odma", "paged"):
+        assert r["preemptions"] > 0
+    assert r["ttft_s"]["p50"] > 0 and r["e2e_s"]["p99"] >= r["e2e_s"]["p50"]
+    assert 0 < r["utilization"] <= 1
+
+
+def test_every_policy_sees_the_same_requests_at_the_same_times(mlu_timing):
+    trace = synthetic(200)
+    rows = simulate(trace, ("odma", "static", "paged"), (2.0, 5.0), max_model_len=4096,
+                    timing="emu:mlu370-x4")
+    assert [(r["rate"], r["policy"]) for r in rows] == [
+        (2.0, "odma"), (2.0, "static"), (2.0, "paged"), (5.0, "odma"), (5.0, "static"),
+        (5.0, "paged")]
+    for rate in (2.0, 5.0):
+        same = {r["offered_rate"] for r in rows if r["rate"] == rate}
+        assert len(same) == 1                    # one arrival sequence per rate
+    assert all(r["output_tokens"] == rows[0]["output_tokens"] for r in rows)
+
+
+def test_paged_reads_cost_more_per_byte_than_contiguous_reads(mlu_timing):
+    """At one batch and context, a paged KV read takes longer than a contiguous one on the
+    emulated LPDDR5 (4 KiB runs below long runs), and the same on a flat-efficiency source."""
+    trace = RequestTrace([2000] * 8, [64] * 8, None, name="eight")
+    contiguous = run_policy(trace, [0.0] * 8, "oracle", setup(mlu_timing))
+    paged = run_policy(trace, [0.0] * 8, "paged", setup(mlu_timing))
+    per_step = {k: r["step_time_share"]["kv"] * r["mean_step_s"]
+                for k, r in (("c", contiguous), ("p", paged))}
+    assert per_step["p"] > 1.15 * per_step["c"]
+    flat = MeasuredTiming("flat", {256: 100.0, 1 << 22: 100.0}, 100.0, 100.0)
+    c2 = run_policy(trace, [0.0] * 8, "oracle", setup(flat))
+    p2 = run_policy(trace, [0.0] * 8, "paged", setup(flat))
+    assert p2["mean_step_s"] == pytest.approx(c2["mean_step_s"], rel=1e-3)
+
+
+def test_tensor_parallel_splits_weights_and_kv_and_adds_all_reduce(mlu_timing):
+    trace = synthetic(100)
+    arr = arrival_seconds(trace, 1.0)
+    tp1 = run_policy(trace, arr, "odma", setup(mlu_timing, tp=1))
+    tp4 = run_policy(trace, arr, "odma", setup(mlu_timing, tp=4))
+    assert tp4["settings"]["weight_bytes_per_card"] == pytest.approx(
+        tp1["settings"]["weight_bytes_per_card"] / 4)
+    assert tp4["settings"]["kv_bytes_per_token_per_card"] * 4 == QWEN.kv_bytes_per_token
+    assert tp4["step_time_share"]["allreduce"] > 0 == tp1["step_time_share"]["allreduce"]
+    assert tp4["tpot_s"]["p50"] < tp1["tpot_s"]["p50"]
+
+
+def test_replicas_split_the_requests_and_lose_none(mlu_timing):
+    trace = synthetic(120)
+    r = run_policy(trace, arrival_seconds(trace, 4.0), "odma", setup(mlu_timing), replicas=4)
+    assert r["completed"] == 120 and r["settings"]["replicas"] == 4
+
+
+# ------------------------------------------------------------------------ timing sources
+def test_emulated_efficiencies_are_cached_on_disk(mlu_timing, monkeypatch):
+    mlu_timing.run_gbps([4096, 1 << 20])
+    import odma_hw.emu as emu
+
+    def no_emulation(*a, **k):
+        raise AssertionError("the emulator ran although the efficiencies were cached")
+    monkeypatch.setattr(emu, "simulate", no_emulation)
+    again = EmuTiming(MLU.bandwidth_gbps, EmuSettings(preset="mlu370-x4"))
+    assert again.run_gbps(4096) == pytest.approx(mlu_timing.run_gbps(4096))
+    assert again.seq_gbps == mlu_timing.seq_gbps
+
+
+def test_emulated_runs_get_more_efficient_with_length(mlu_timing):
+    eff = mlu_timing.run_efficiency(np.array([4096, 65536, 1 << 20, 1 << 26]))
+    assert eff[0] < eff[1] < eff[2] <= mlu_timing.seq_efficiency + 0.01
+    assert eff[3] == pytest.approx(eff[2], abs=0.02)      # long runs are as good as streaming
+
+
+def test_probe_json_timing_extends_beyond_the_largest_granule(tmp_path):
+    doc = {"schema": "odma-hw.probe/1", "devices": [{
+        "device": "mlu:0", "seq_gbps": 280.0, "copy_gbps": 200.0,
+        "rand_gbps": {"64": 100.0, "1024": 150.0, "4096": 200.0}}]}
+    path = tmp_path / "probe.json"
+    path.write_text(json.dumps(doc))
+    t = probe_timing(str(path))
+    assert t.run_gbps(4096) == pytest.approx(200.0)
+    assert t.run_gbps(1024) == pytest.approx(150.0)
+    big = t.run_gbps([16384, 1 << 20, 1 << 24])
+    assert 200 < big[0] < big[1] < big[2] < 280 and big[2] > 279
+    assert t.seq_gbps == 280.0
+
+
+# ------------------------------------------------------------------------ bad input
+def exit_code(argv):
+    try:
+        return main(argv)
+    except SystemExit as exc:
+        return exc.code
+
+
+@pytest.fixture
+def small_trace(tmp_path):
+    path = tmp_path / "t.csv"
+    path.write_text("num_prefill_tokens,num_decode_tokens\n10,20\n30,5\n")
+    return str(path)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "gpt-5"], "--model"),
+    (["--device", "tpu"], "--device"),
+    (["--policy", "odma,magic"], "unknown policy"),
+    (["--rate", "0"], "--rate"),
+    (["--rate", "-1"], "--rate"),
+    (["--rate", "nan"], "--rate"),
+    (["--rate", "1,inf"], "--rate"),
+    (["--rate", ""], "--rate"),
+    (["--tp", "0"], "--tp"),
+    (["--mfu", "2"], "mfu"),
+    (["--timing", "magic:x"], "timing source"),
+    (["--max-model-len", "200000"], "context"),
+])
+def test_bad_usage_exits_2_with_one_line_before_any_work(small_trace, capsys, tmp_path,
+                                                         monkeypatch, args, message):
+    monkeypatch.setenv("ODMA_CACHE_DIR", str(tmp_path / "fresh-cache"))
+    assert exit_code(["simulate", "--trace", small_trace] + args) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "fresh-cache").exists()          # the emulator never ran
+
+
+def test_impossible_lengths_and_foreign_json_are_refused(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("ODMA_CACHE_DIR", str(tmp_path / "fresh-cache"))
+    long = tmp_path / "long.csv"
+    long.write_text("num_prefill_tokens,num_decode_tokens\n3000,2000\n10,10\n")
+    assert exit_code(["simulate", "--trace", str(long), "--model", "llama-2-7b"]) == 2
+    assert "4096" in capsys.readouterr().err                # Llama 2's context
+    assert exit_code(["simulate", "--trace", str(long), "--max-model-len", "4096"]) == 2
+    assert "--clip" in capsys.readouterr().err
+    foreign = tmp_path / "other.json"
+    foreign.write_text(json.dumps({"schema": "odma-hw.replay/1"}))
+    assert exit_code(["simulate", "--trace", str(long), "--timing", f"probe:{foreign}"]) == 2
+    assert "odma-hw.probe/1" in capsys.readouterr().err
+    assert not (tmp_path / "fresh-cache").exists()
+
+
+def test_json_output_has_the_contract_keys(small_trace, capsys):
+    assert main(["simulate", "--trace", small_trace, "--rate", "1,2", "--json",
+                 "--policy", "odma,paged"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["schema"] == "odma-hw.simulate/1" and len(doc["results"]) == 4
+    for r in doc["results"]:
+        for key in ("policy", "rate", "output_tps", "requests_per_s", "ttft_s", "tpot_s",
+                    "e2e_s", "utilization", "mean_batch", "peak_batch", "preemptions",
+                    "migrations", "migration_s", "step_time_share", "kv_read_bytes_share",
+                    "completed", "lost", "timing", "settings"):
+            assert key in r
+        assert r["completed"] == 2 and r["lost"] == 0
+
+
+@pytest.mark.skipif(not (TRACES / "azure_conv_2023.csv").exists(),
+                    reason="the shared traces are absent (set ODMA_TRACES)")
+def test_odma_beats_static_at_a_load_that_saturates_static(mlu_timing):
+    """The paper's claim at the scale of a test: at a load static cannot keep up with, ODMA
+    serves at least 1.2x its tokens/s (first 1,500 Azure requests, one MLU370-X4)."""
+    rows = simulate(TRACES / "azure_conv_2023.csv", ("odma", "static"), (2.0,),
+                    requests=1500, max_model_len=8192, clip=True, predictor="noisy")
+    odma, static = rows
+    assert static["mean_batch"] > 0.9 * static["peak_batch"]        # static is saturated
+    assert odma["output_tps"] >= 1.2 * static["output_tps"]
+    assert odma["utilization"] > static["utilization"]
+
+
+def test_a_plot_is_checked_first_and_written_after_the_results(small_trace, tmp_path, capsys):
+    assert exit_code(["simulate", "--trace", small_trace, "--plot", str(tmp_path / "x.xyz")]) == 2
+    assert "unknown image format" in capsys.readouterr().err
+    png = tmp_path / "s.png"
+    assert main(["simulate", "--trace", small_trace, "--rate", "1,2", "--plot", str(png)]) == 0
+    assert "odma" in capsys.readouterr().out and png.stat().st_size > 0
