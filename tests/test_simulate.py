@@ -55,6 +55,7 @@ def test_no_step_beats_bytes_over_peak_nor_prefill_flops_over_peak(policy, mlu_t
     trace = synthetic()
     r = run_policy(trace, arrival_seconds(trace, 3.0), policy, setup(mlu_timing))
     assert r["floor_margin_min"] >= 1.0
+    assert r["compute_floor_margin_min"] >= 1.0
     assert r["prefill_floor_margin_min"] >= 1.0
     # and the floor is tight where it should be: weights stream at the emulated efficiency
     assert r["floor_margin_min"] < 1.0 / mlu_timing.seq_efficiency + 0.05
@@ -128,6 +129,19 @@ def test_tensor_parallel_splits_weights_and_kv_and_adds_all_reduce(mlu_timing):
     assert tp4["settings"]["kv_bytes_per_token_per_card"] * 4 == QWEN.kv_bytes_per_token
     assert tp4["step_time_share"]["allreduce"] > 0 == tp1["step_time_share"]["allreduce"]
     assert tp4["tpot_s"]["p50"] < tp1["tpot_s"]["p50"]
+
+
+def test_a_large_batch_on_hbm_is_compute_bound_and_on_lpddr5_memory_bound(mlu_timing):
+    """Decode is max(memory, compute): 200 requests of 1,000 tokens are compute-bound on an
+    A100's 2 TB/s and memory-bound on an MLU370-X4's 307 GB/s."""
+    trace = RequestTrace([1000] * 200, [50] * 200, None, name="wide")
+    a100 = accelerator("a100-80gb")
+    hbm = MeasuredTiming("flat", {256: 1800.0}, 1900.0, 1500.0)
+    on_hbm = run_policy(trace, [0.0] * 200, "oracle",
+                        ServingSetup(QWEN, a100, hbm, max_model_len=4096))
+    on_mlu = run_policy(trace, [0.0] * 200, "oracle", setup(mlu_timing))
+    assert on_hbm["compute_bound_step_share"] > 0.9 and on_hbm["step_time_share"]["compute"] > 0
+    assert on_mlu["compute_bound_step_share"] == 0
 
 
 def test_replicas_split_the_requests_and_lose_none(mlu_timing):

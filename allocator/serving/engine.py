@@ -192,6 +192,11 @@ class Simulation:
             self.ar_const = self.ar_per_token = 0.0
         self.req_seconds = d.request_overhead_us * 1e-6
         self.card_flops = d.peak_tflops(setup.dtype) * 1e12
+        # decode FLOPs per step on one card: per request, and per token of context (attention)
+        self.flops_per_request = 2.0 * m.streamed_params / tp
+        self.flops_per_ctx = 4.0 * m.layers * m.heads * m.head_dim / tp
+        self.flops_rate = self.card_flops * setup.mfu
+        self.per_token = self.runs_per_unit * self.run_unit_bytes   # KV bytes per context token
         self.max_prefill = setup.max_prefill_tokens or max(setup.max_model_len, 2048)
 
     # -- KV time of one request, linear in the step index --------------------------------------
@@ -277,6 +282,7 @@ class Simulation:
         tot = collections.Counter()   # seconds by component, and counts
         peak_batch = 0
         floor_margin = math.inf       # min over steps of step seconds / (bytes / peak)
+        compute_margin = math.inf     # min over steps of step seconds / (FLOPs / peak)
         series: list = []
         next_sample = now
         last_progress = time.perf_counter()
@@ -409,25 +415,40 @@ class Simulation:
                 continue
             # decode steps up to the next event, or to the step during which a request arrives
             nb = len(running)
-            c = (self.w_seconds + self.layer_seconds + nb * (self.req_seconds + self.ar_per_token)
-                 + self.ar_const)
             a, sl, ab, sb = sums
+            # a step is max(memory, compute) + overheads; memory and compute are each linear in
+            # the step index: m0 + m1 s (weights and KV reads), f0 + f1 s (FLOPs of the batch)
+            over = self.layer_seconds + nb * (self.req_seconds + self.ar_per_token) + self.ar_const
+            m0, m1 = self.w_seconds + a, sl
+            f0 = (nb * self.flops_per_request + self.flops_per_ctx * ab / self.per_token) \
+                / self.flops_rate
+            f1 = self.flops_per_ctx * sb / self.per_token / self.flops_rate
+            compute_bound = f0 + f1 * step > m0 + m1 * step
             k = events[0][0] - step
+            if m1 != f1:                               # memory and compute trade places there
+                cross = (f0 - m0) / (m1 - f1)
+                if cross > step:
+                    k = min(k, max(1, math.ceil(cross - step)))
+            c0, c1 = (f0, f1) if compute_bound else (m0, m1)
             if next_arrival < n and not waiting and nb < s.max_batch:
                 dt = reqs[order[next_arrival]].arrival - now
-                k = min(k, self._steps_until(dt, c + a, sl, step))
+                k = min(k, self._steps_until(dt, c0 + over, c1, step))
             k = max(1, k)
             tri = k * step + k * (k - 1) / 2          # sum of the step indices
             kv = k * a + sl * tri
-            secs = k * c + kv
-            for at in (step, step + k - 1):           # both ends: time and bytes are linear
-                floor_margin = min(floor_margin, (c + a + sl * at)
-                                   / ((s.weight_bytes + ab + sb * at) / peak_bw))
+            secs = k * (c0 + over) + c1 * tri
+            for at in (step, step + k - 1):           # both ends: time, bytes, FLOPs are linear
+                t_step = max(m0 + m1 * at, f0 + f1 * at) + over
+                floor_margin = min(floor_margin, t_step * peak_bw / (s.weight_bytes + ab + sb * at))
+                compute_margin = min(compute_margin, t_step / ((f0 + f1 * at) * s.mfu))
             tot["decode"] += secs
             tot["kv"] += kv
             tot["weights"] += k * self.w_seconds
             tot["overheads"] += k * (self.layer_seconds + nb * self.req_seconds)
             tot["allreduce"] += k * (self.ar_const + nb * self.ar_per_token)
+            if compute_bound:
+                tot["compute"] += k * (f0 - m0) + (f1 - m1) * tri   # beyond the memory time
+                tot["compute_bound_steps"] += k
             tot["steps"] += k
             tot["kv_bytes"] += k * ab + sb * tri
             tot["batch_seconds"] += nb * secs
@@ -472,6 +493,7 @@ class Simulation:
                 self.progress(done, n, now)
         tot["peak_batch"] = peak_batch
         tot["floor_margin_min"] = floor_margin
+        tot["compute_floor_margin_min"] = compute_margin
         return dict(totals=tot, series=series, t_first=t_first, t_end=now,
                     allocator=alloc.stats())
 
@@ -595,13 +617,16 @@ def summarise(trace, policy, setup, results, reqs, replicas, dropped, truncated,
         "steps": int(tot["steps"]),
         "mean_step_s": decode / tot["steps"] if tot["steps"] else None,
         "step_time_share": {k: tot[k] / decode for k in ("kv", "weights", "overheads",
-                                                         "allreduce")},
+                                                         "allreduce", "compute")},
+        "compute_bound_step_share": tot["compute_bound_steps"] / tot["steps"]
+        if tot["steps"] else None,
         "busy_time_share": {k: tot[k] / busy if busy else None
                             for k in ("decode", "prefill", "migration")},
         "kv_read_bytes_share": (tot["kv_bytes"] / (tot["kv_bytes"] + weight_bytes)
                                 if tot["steps"] else None),
         "time_avg_occupancy": tot["occupancy_seconds"] / busy if busy else None,
         "floor_margin_min": tot.get("floor_margin_min"),
+        "compute_floor_margin_min": tot.get("compute_floor_margin_min"),
         "prefill_floor_margin_min": tot.get("prefill_floor_margin_min"),
         "kv_pool_gb_per_card": results[0]["pool_bytes"] / 1e9,
         "kv_pool_tokens": results[0]["pool_bytes"] // setup.kv_bytes_per_token,
