@@ -64,6 +64,15 @@ def _int(text: str, what: str) -> int:
 
 
 def run(args) -> int:
+    d = result(args)
+    if args.json:
+        print(json.dumps(d))
+        return 0
+    return _print_table(d)
+
+
+def result(args) -> dict:
+    """The JSON object of `odma-hw emulate` for parsed arguments (what --json prints)."""
     from odma_hw.emu import simulate
 
     granularity = _int(args.granularity, "--granularity")
@@ -83,10 +92,10 @@ def run(args) -> int:
                      scheduler=args.scheduler, footprint=footprint, seed=args.seed,
                      trace=args.trace, wck_always_on=args.wck_always_on,
                      interleave=args.interleave, threads=args.threads)
-    d = stats.as_dict()
-    if args.json:
-        print(json.dumps({"schema": SCHEMA, **d}))
-        return 0
+    return {"schema": SCHEMA, **stats.as_dict()}
+
+
+def _print_table(d: dict) -> int:
     rows = [
         ("preset", f"{d['preset']} ({d['device']})"),
         ("traffic", f"{d['pattern']}, {d['granularity']} B, {d['requests']} requests "
