@@ -364,11 +364,10 @@ def plot(result: dict, path: str) -> None:
     plotting.save(fig, path)
 
 
-def _cmd(args) -> int:
-    if args.plot:
-        plotting.check_plot_path(args.plot)
+def compute(args) -> dict:
+    """The JSON object of `odma-hw replay` for parsed arguments (with the time series)."""
     device = args.device or default_device()
-    result = run_replay(
+    return run_replay(
         args.trace, args.policy, args.predictor, model=args.model,
         bytes_per_token=args.bytes_per_token, pool_bytes=pool_bytes(args.pool_gib),
         max_tokens=args.max_tokens, n_buckets=args.buckets, bucket_rule=args.bucket_rule,
@@ -377,6 +376,12 @@ def _cmd(args) -> int:
         step_seconds=args.step_seconds, alpha=args.alpha, tau=args.tau,
         large_share=args.large_share, cold_start=args.cold_start, seed=args.seed,
         progress=not args.json or sys.stderr.isatty())
+
+
+def _cmd(args) -> int:
+    if args.plot:
+        plotting.check_plot_path(args.plot)
+    result = compute(args)
     if args.json:
         shown = dict(result)
         if not args.series:

@@ -144,9 +144,8 @@ def plot(results: list[dict], path: str) -> None:
     plotting.save(fig, path)
 
 
-def _cmd(args) -> int:
-    if args.plot:
-        plotting.check_plot_path(args.plot)
+def compute(args) -> dict:
+    """The JSON object of `odma-hw simulate` for parsed arguments (with the time series)."""
     policies = _policies(args.policy)
     config = AllocatorConfig(alpha=args.alpha, tau=args.tau, n_buckets=args.buckets,
                              bucket_rule=args.bucket_rule, bucket_basis=args.bucket_basis,
@@ -166,6 +165,13 @@ def _cmd(args) -> int:
         max_batch=args.max_batch, mfu=args.mfu, memory_utilization=args.memory_utilization,
         kv_pool_gb=args.kv_pool_gb, paged_layout=args.layout, page_tokens=args.page_tokens,
         predictor=args.predictor)
+    return {"schema": SCHEMA, "results": results}
+
+
+def _cmd(args) -> int:
+    if args.plot:
+        plotting.check_plot_path(args.plot)
+    results = compute(args)["results"]
     if args.json:
         rows = [dict(r) for r in results]
         if not args.series:

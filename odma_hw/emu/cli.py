@@ -64,14 +64,14 @@ def _int(text: str, what: str) -> int:
 
 
 def run(args) -> int:
-    d = result(args)
+    d = compute(args)
     if args.json:
         print(json.dumps(d))
         return 0
     return _print_table(d)
 
 
-def result(args) -> dict:
+def compute(args) -> dict:
     """The JSON object of `odma-hw emulate` for parsed arguments (what --json prints)."""
     from odma_hw.emu import simulate
 
