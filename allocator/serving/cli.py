@@ -155,7 +155,7 @@ def compute(args) -> dict:
     emu = EmuSettings(preset=dev.emu_preset,
                       channels=args.channels if args.channels else dev.emu_channels,
                       interleave=args.interleave, address_map=args.address_map,
-                      streams=args.streams, chunk_bytes=args.chunk_bytes)
+                      queue=args.queue, streams=args.streams, chunk_bytes=args.chunk_bytes)
     results = simulate(
         args.trace, policies, args.rate or [None], model=args.model, device=args.device,
         timing=args.timing, emu=emu, dtype=args.dtype, tp=args.tp, replicas=args.replicas,
@@ -223,6 +223,8 @@ def register(subparsers) -> None:
                    help="emulated channel-interleave granule (default 256)")
     p.add_argument("--address-map", default="bg", choices=["bg", "rbc", "xor"],
                    help="emulated address map (default bg)")
+    p.add_argument("--queue", type=argtypes.positive_int, default=32,
+                   help="emulated controller queue depth per direction (default 32)")
     p.add_argument("--streams", type=argtypes.positive_int, default=1,
                    help="KV runs in flight at the memory controller at once (default 1)")
     p.add_argument("--chunk-bytes", type=argtypes.positive_int, default=None,
