@@ -1,7 +1,10 @@
 """Request-length traces: what `odma-hw replay` and `odma-hw simulate` read.
 
 A trace is one row per request: num_prefill_tokens (prompt), num_decode_tokens (generated), and
-optionally arrived_at (seconds). Everything is checked when the file is read, so a bad trace is
+optionally arrived_at (seconds). For prefix caching a row may also name the prefix its prompt
+starts with: prefix_id (any text) and prefix_tokens (how many prompt tokens it covers), and
+offer_id: the key under which the request's whole context (prompt + generated) is offered to the
+cache when it completes (a chat turn offers the history the next turn starts with). Everything is checked when the file is read, so a bad trace is
 one clear line before any work starts: counts are whole numbers in [0, MAX_REQUEST_TOKENS],
 arrival times are finite and span at most MAX_SPAN_SECONDS (a span beyond that is a unit mistake,
 and would overflow the step counters).
@@ -22,13 +25,16 @@ MAX_REQUEST_TOKENS = 10_000_000
 # Thirty days of simulated time: the public traces span an hour; beyond this is a unit mistake.
 MAX_SPAN_SECONDS = 30 * 24 * 3600.0
 PROMPT, GENERATED, ARRIVAL = "num_prefill_tokens", "num_decode_tokens", "arrived_at"
+PREFIX_ID, PREFIX_TOKENS, OFFER_ID = "prefix_id", "prefix_tokens", "offer_id"
 
 
 class RequestTrace:
     """Token counts of a request trace: prompt[i], generated[i], arrival[i] (seconds, or None
-    when the trace has no arrival times)."""
+    when the trace has no arrival times); prefix_id[i] / prefix_tokens[i] / offer_id[i] when the
+    trace names prefixes (None, or "" for a request without one)."""
 
-    def __init__(self, prompt, generated, arrival=None, name="trace"):
+    def __init__(self, prompt, generated, arrival=None, name="trace", *, prefix_id=None,
+                 prefix_tokens=None, offer_id=None):
         self.name = name
         try:
             self.prompt = _counts(prompt, "prompt")
@@ -55,9 +61,32 @@ class RequestTrace:
                 raise BadArgument(f"{name}: arrival times span {span:.3g} s, more than the "
                                   f"{MAX_SPAN_SECONDS:.0f} s (30 days) a simulation covers: "
                                   f"are they in seconds?")
+        self.prefix_id = self.prefix_tokens = self.offer_id = None
+        if prefix_id is not None or offer_id is not None:
+            self.prefix_id = [str(x) if x else "" for x in (prefix_id or [""] * n)]
+            self.offer_id = [str(x) if x else "" for x in (offer_id or [""] * n)]
+            self.prefix_tokens = _counts([0] * n if prefix_tokens is None else prefix_tokens,
+                                         "prefix")
+            if len(self.prefix_id) != n or len(self.offer_id) != n or len(self.prefix_tokens) != n:
+                raise BadArgument(f"{name}: prefix columns need one value per request")
+            bad = np.flatnonzero((self.prefix_tokens > self.prompt)
+                                 | ((self.prefix_tokens > 0) != np.array([bool(x) for x in
+                                                                          self.prefix_id])))
+            if bad.size:
+                i = int(bad[0])
+                raise BadArgument(f"{name}: request {i} has prefix {self.prefix_id[i]!r} of "
+                                  f"{self.prefix_tokens[i]} tokens in a {self.prompt[i]}-token "
+                                  f"prompt (a named prefix covers 1..prompt tokens)")
 
     def __len__(self):
         return len(self.prompt)
+
+    def head(self, n: int) -> "RequestTrace":
+        """The first n requests."""
+        cut = (lambda v: None if v is None else v[:n])
+        return RequestTrace(self.prompt[:n], self.generated[:n], cut(self.arrival),
+                            f"{self.name}[:{n}]", prefix_id=cut(self.prefix_id),
+                            prefix_tokens=cut(self.prefix_tokens), offer_id=cut(self.offer_id))
 
 
 def _counts(values, what) -> np.ndarray:
@@ -116,13 +145,19 @@ def load_trace(path) -> RequestTrace:
                     shown = ", ".join(repr(c) for c in cols[:8]) or "none"
                     raise BadArgument(f"trace {path} lacks column {need!r} (has {shown})")
             timed = ARRIVAL in cols
-            prompt, gen, arrival = [], [], []
+            prefixed = PREFIX_ID in cols or OFFER_ID in cols
+            prompt, gen, arrival, pid, ptok, oid = [], [], [], [], [], []
             for row in reader:
                 line = reader.line_num
                 prompt.append(_count_cell(row[PROMPT] or "", path, line, PROMPT))
                 gen.append(_count_cell(row[GENERATED] or "", path, line, GENERATED))
                 if timed:
                     arrival.append(_time_cell(row[ARRIVAL] or "", path, line))
+                if prefixed:
+                    pid.append((row.get(PREFIX_ID) or "").strip())
+                    ptok.append(_count_cell(row.get(PREFIX_TOKENS) or "0", path, line,
+                                            PREFIX_TOKENS))
+                    oid.append((row.get(OFFER_ID) or "").strip())
     except UnicodeDecodeError:
         raise BadArgument(f"trace {path} is not a UTF-8 text CSV file") from None
     except csv.Error as exc:
@@ -131,7 +166,28 @@ def load_trace(path) -> RequestTrace:
         raise BadArgument(f"cannot read trace {path}: {exc.strerror or exc}") from None
     if not prompt:
         raise BadArgument(f"trace {path} has no rows")
-    return RequestTrace(prompt, gen, arrival if timed else None, name=os.path.basename(path))
+    extra = dict(prefix_id=pid, prefix_tokens=ptok, offer_id=oid) if prefixed else {}
+    return RequestTrace(prompt, gen, arrival if timed else None, name=os.path.basename(path),
+                        **extra)
+
+
+def write_trace(trace: RequestTrace, path) -> None:
+    """Write `trace` as a CSV load_trace() reads back."""
+    cols = [PROMPT, GENERATED] + ([ARRIVAL] if trace.arrival is not None else []) + (
+        [PREFIX_ID, PREFIX_TOKENS, OFFER_ID] if trace.prefix_id is not None else [])
+    try:
+        with open(path, "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(cols)
+            for i in range(len(trace)):
+                row = [int(trace.prompt[i]), int(trace.generated[i])]
+                if trace.arrival is not None:
+                    row.append(repr(float(trace.arrival[i])))
+                if trace.prefix_id is not None:
+                    row += [trace.prefix_id[i], int(trace.prefix_tokens[i]), trace.offer_id[i]]
+                w.writerow(row)
+    except OSError as exc:
+        raise BadArgument(f"cannot write trace {path}: {exc.strerror or exc}") from None
 
 
 def arrival_seconds(trace: RequestTrace, rate: float | None = None, time_scale: float = 1.0,

@@ -19,6 +19,7 @@ COMMAND_MODULES = {
     "odma_hw.emu.cli": ("emulate",),
     "allocator.replay": ("replay",),
     "allocator.serving.cli": ("simulate",),
+    "allocator.serving.workloads": ("workload",),
 }
 
 

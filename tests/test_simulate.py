@@ -269,3 +269,45 @@ def test_a_plot_is_checked_first_and_written_after_the_results(small_trace, tmp_
     png = tmp_path / "s.png"
     assert main(["simulate", "--trace", small_trace, "--rate", "1,2", "--plot", str(png)]) == 0
     assert "odma" in capsys.readouterr().out and png.stat().st_size > 0
+
+
+# ------------------------------------------------------------------------ generated workloads
+def test_text_analysis_workload_shares_n_templates_among_k_requests(tmp_path, capsys):
+    from allocator.serving.workloads import text_analysis
+    from allocator.trace import load_trace
+
+    t = text_analysis(1000, 16, seed=3)
+    assert len(t) == 1000 and len(set(t.prefix_id)) <= 16
+    assert (t.prefix_tokens < t.prompt).all() and (t.prefix_tokens >= 800).all()
+    same = {}
+    for k, n in zip(t.prefix_id, t.prefix_tokens):
+        assert same.setdefault(k, n) == n              # one length per template
+    out = tmp_path / "ta.csv"
+    assert main(["workload", "text-analysis", "--requests", "1000", "--prefixes", "16",
+                 "--seed", "3", "--out", str(out)]) == 0
+    back = load_trace(out)
+    assert back.prefix_id == t.prefix_id and (back.prompt == t.prompt).all()
+
+
+def test_chat_workload_grows_each_conversation_from_its_last_turn():
+    from allocator.serving.workloads import chat
+
+    t = chat(50, system_tokens=300, seed=1)
+    offered = {}
+    for i in np.argsort(t.arrival, kind="stable"):
+        pid, ptok = t.prefix_id[i], t.prefix_tokens[i]
+        if pid == "system":
+            assert ptok == 300
+        else:                       # a later turn starts with the previous turn's context
+            assert offered[pid] == ptok
+        offered[t.offer_id[i]] = t.prompt[i] + t.generated[i]
+
+
+def test_a_prefix_column_must_fit_its_prompt(tmp_path):
+    from odma_hw.errors import BadArgument
+
+    bad = tmp_path / "bad.csv"
+    bad.write_text("num_prefill_tokens,num_decode_tokens,prefix_id,prefix_tokens\n10,5,a,11\n")
+    from allocator.trace import load_trace
+    with pytest.raises(BadArgument, match="prefix"):
+        load_trace(bad)

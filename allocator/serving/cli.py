@@ -16,11 +16,13 @@ from odma_hw.errors import BadArgument
 from allocator.config import AllocatorConfig
 from allocator.policies import POLICIES
 from allocator.replay import add_policy_arguments
-from allocator.serving.engine import (PAGED_LAYOUTS, ServingSetup, fit_lengths,
-                                     progress_printer, run_policy)
+from allocator.serving.engine import (PAGED_LAYOUTS, SCHEDULES, PrefixSettings, ServingSetup,
+                                     fit_lengths, progress_printer, run_policy)
 from allocator.serving.presets import ACCELERATORS, MODEL_ALIASES, MODELS, accelerator, model_spec
 from allocator.serving.timing import EmuSettings, make_timing
 from allocator.trace import RequestTrace, arrival_seconds, load_trace
+
+EVICTIONS = ("lru", "fifo", "random")
 
 SCHEMA = "odma-hw.simulate/1"
 DEFAULT_POLICIES = "odma,static,paged"
@@ -39,17 +41,18 @@ def simulate(trace, policies=("odma", "static", "paged"), rates=(None,), *,
              model="deepseek-r1-distill-qwen-7b", device="mlu370-x4", timing=None,
              emu: EmuSettings | None = None, dtype="bf16", tp=1, replicas=1, requests=None,
              max_model_len=None, clip=False, time_scale=1.0, seed=0, config=None,
-             progress=False, **setup_args) -> list[dict]:
+             prefix: PrefixSettings | None = None, progress=False, **setup_args) -> list[dict]:
     """Simulate every (rate, policy) pair; returns one result dict per pair, rates outermost.
     `trace` is a RequestTrace or a CSV path; `timing` a source string (default: the device's
-    emulated memory, emu:<its preset>); `emu` the emulator settings of an emu source."""
+    emulated memory, emu:<its preset>); `emu` the emulator settings of an emu source; `prefix`
+    a prefix cache in front of prefill (the trace must name prefixes)."""
     if not isinstance(trace, RequestTrace):
         trace = load_trace(trace)
     if requests is not None:
-        n = argtypes.positive_int(str(requests))
-        trace = RequestTrace(trace.prompt[:n], trace.generated[:n],
-                             None if trace.arrival is None else trace.arrival[:n],
-                             name=f"{trace.name}[:{n}]")
+        trace = trace.head(argtypes.positive_int(str(requests)))
+    if prefix is not None and trace.prefix_id is None:
+        raise BadArgument(f"{trace.name} names no prefixes (columns prefix_id, prefix_tokens): "
+                          f"a prefix cache has nothing to do; see `odma-hw workload`")
     for p in policies:
         if p not in POLICIES:
             raise BadArgument(f"unknown policy {p!r}: expected one of {', '.join(POLICIES)}")
@@ -71,7 +74,8 @@ def simulate(trace, policies=("odma", "static", "paged"), rates=(None,), *,
         for p in policies:
             show = progress_printer(f"{p}" + (f" @ {rate:g} req/s" if rate else "")) \
                 if progress else None
-            r = run_policy(trace, arr, p, setup, replicas=replicas, clip=clip, progress=show)
+            r = run_policy(trace, arr, p, setup, replicas=replicas, clip=clip, progress=show,
+                           prefix=prefix)
             r["rate"] = rate
             r["offered_rate"] = (len(trace) / max(float(arr.max()), 1e-12)
                                  if len(trace) > 1 else None)
@@ -108,6 +112,17 @@ def format_table(results: list[dict]) -> str:
         f"runs {t['run_gbps']['16384']:.0f} GB/s)")
     lines.append("util = KV used / KV reserved over completed requests; KV share = share of "
                  "decode step time spent reading KV; TPOT = time per output token")
+    for r in results:
+        pc = r.get("prefix_cache")
+        if pc:
+            hit = pc["hit_rate"]
+            lines.append(
+                f"prefix cache ({r['policy']}" + (f" @ {r['rate']:g}" if r["rate"] else "")
+                + f"): {pc['lookups']} lookups, found on device {hit['device'] or 0:.1%}, host "
+                f"{hit['host'] or 0:.1%}, disk {hit['disk'] or 0:.1%}, missed {hit['miss'] or 0:.1%};"
+                f" {pc['covered_tokens']} of {pc['prompt_tokens']} prompt tokens covered; prefill "
+                f"saved {pc['prefill_saved_s']:.1f} s, restores {pc['restore_s']:.1f} s, offers "
+                f"{pc['offer_s']:.1f} s")
     return "\n".join(lines)
 
 
@@ -156,8 +171,18 @@ def compute(args) -> dict:
                       channels=args.channels if args.channels else dev.emu_channels,
                       interleave=args.interleave, address_map=args.address_map,
                       queue=args.queue, streams=args.streams, chunk_bytes=args.chunk_bytes)
+    prefix = None
+    if args.prefix_cache:
+        prefix = PrefixSettings(device_gb=args.cache_device_gb, host_gb=args.cache_host_gb,
+                                disk_gb=args.cache_disk_gb, eviction=args.eviction,
+                                schedule=args.prefix_schedule, prefetch=args.prefetch,
+                                host_to_device_gbps=args.pcie_gbps,
+                                device_to_host_gbps=args.pcie_gbps,
+                                disk_read_gbps=args.disk_read_gbps,
+                                disk_write_gbps=args.disk_write_gbps)
     results = simulate(
         args.trace, policies, args.rate or [None], model=args.model, device=args.device,
+        prefix=prefix,
         timing=args.timing, emu=emu, dtype=args.dtype, tp=args.tp, replicas=args.replicas,
         requests=args.requests, max_model_len=args.max_model_len, clip=args.clip,
         time_scale=args.time_scale, seed=args.seed, config=config,
@@ -247,6 +272,26 @@ def register(subparsers) -> None:
                    help="share of card memory for weights + KV (default 0.9)")
     p.add_argument("--kv-pool-gb", type=argtypes.positive_float, default=None,
                    help="KV pool per card in GB (default: what the weights leave)")
+    c = p.add_argument_group("prefix cache (traces with prefix_id / prefix_tokens columns)")
+    c.add_argument("--prefix-cache", action="store_true",
+                   help="keep prefixes' KV across requests in device, host and disk tiers")
+    c.add_argument("--cache-device-gb", type=argtypes.nonnegative_float, default=1.0,
+                   help="device tier, carved out of the KV pool (default 1 GB)")
+    c.add_argument("--cache-host-gb", type=argtypes.nonnegative_float, default=16.0,
+                   help="host-memory tier (default 16 GB)")
+    c.add_argument("--cache-disk-gb", type=argtypes.nonnegative_float, default=64.0,
+                   help="disk tier (default 64 GB)")
+    c.add_argument("--eviction", default="lru", choices=list(EVICTIONS))
+    c.add_argument("--prefix-schedule", default="fcfs", choices=list(SCHEDULES),
+                   help="admission order: FCFS, fastest-prefix-first (may starve), relaxed FPF")
+    c.add_argument("--prefetch", type=argtypes.count, default=0, metavar="N",
+                   help="prefetch the prefixes of the next N queued requests (default 0: off)")
+    c.add_argument("--pcie-gbps", type=argtypes.positive_float, default=25.0,
+                   help="host <-> device bandwidth (default 25: PCIe 4.0 x16 effective)")
+    c.add_argument("--disk-read-gbps", type=argtypes.positive_float, default=3.0,
+                   help="disk tier read bandwidth (default 3: an NVMe SSD)")
+    c.add_argument("--disk-write-gbps", type=argtypes.positive_float, default=2.0,
+                   help="disk tier write bandwidth (default 2)")
     p.add_argument("--json", action="store_true", help=f"print one JSON object ({SCHEMA})")
     p.add_argument("--series", action="store_true", help="with --json: include time series")
     p.add_argument("--plot", metavar="PNG",

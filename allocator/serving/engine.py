@@ -37,6 +37,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import heapq
+import itertools
 import math
 import sys
 import time
@@ -54,6 +55,7 @@ from allocator.serving.presets import DTYPE_BYTES, Accelerator, ModelSpec
 LAYOUTS = ("contiguous", "v06", "hnd", "nhd")
 PAGED_LAYOUTS = LAYOUTS[1:]
 RELINEARIZE = 64                 # steps between re-reads of a contiguous request's efficiency
+SCHEDULE_SCAN = 4096             # queued requests a prefix schedule looks at per admission
 SERIES_POINTS = 400
 
 
@@ -136,9 +138,9 @@ class ServingSetup:
 class RequestState:
     __slots__ = ("rid", "prompt", "gen", "made", "arrival", "first_token", "finish",
                  "preemptions", "predicted", "start_step", "start_ctx", "a", "slope", "ab",
-                 "sb", "epoch", "cap", "replica")
+                 "sb", "epoch", "cap", "prefix", "prefix_tokens", "offer", "covered")
 
-    def __init__(self, rid, prompt, gen, arrival):
+    def __init__(self, rid, prompt, gen, arrival, prefix="", prefix_tokens=0, offer=""):
         self.rid = rid
         self.prompt = prompt        # tokens of the original prompt
         self.gen = gen              # tokens it makes in all
@@ -156,22 +158,79 @@ class RequestState:
         self.sb = 0.0
         self.epoch = 0
         self.cap = 0
+        self.prefix = prefix        # key of the prefix its prompt starts with ("" for none)
+        self.prefix_tokens = prefix_tokens
+        self.offer = offer          # key its whole context is offered under when it completes
+        self.covered = 0            # prompt tokens the cache covered at its last admission
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefixSettings:
+    """A tiered prefix cache (allocator.prefix) in front of prefill. Capacities in GB; the
+    device tier is carved out of the KV pool. Bandwidths in GB/s; the device tier's copies run
+    at the timing source's copy bandwidth."""
+
+    device_gb: float = 0.0
+    host_gb: float = 0.0
+    disk_gb: float = 0.0
+    eviction: str = "lru"
+    schedule: str = "fcfs"          # fcfs | fpf | relaxed-fpf
+    prefetch: int = 0               # queued requests the prefetcher looks ahead at
+    host_to_device_gbps: float = 25.0
+    device_to_host_gbps: float = 25.0
+    disk_read_gbps: float = 3.0
+    disk_write_gbps: float = 2.0
+
+    def __post_init__(self):
+        if self.schedule not in SCHEDULES:
+            raise BadArgument(f"unknown prefix schedule {self.schedule!r}: expected one of "
+                              f"{', '.join(SCHEDULES)}")
+        for name in ("device_gb", "host_gb", "disk_gb", "host_to_device_gbps",
+                     "device_to_host_gbps", "disk_read_gbps", "disk_write_gbps"):
+            v = getattr(self, name)
+            if not (v >= 0 and math.isfinite(v)):
+                raise BadArgument(f"{name} must be a finite number >= 0, got {v}")
+        if not (isinstance(self.prefetch, int) and self.prefetch >= 0):
+            raise BadArgument(f"prefetch must be an integer >= 0, got {self.prefetch!r}")
+
+
+SCHEDULES = ("fcfs", "fpf", "relaxed-fpf")
+TIER_DISTANCE = {"device": 0, "host": 1, "disk": 2, None: 3}
 
 
 class Simulation:
     """One replica (a card or a TP group) serving its share of the requests."""
 
     def __init__(self, setup: ServingSetup, policy: str, requests: list[RequestState],
-                 progress=None):
+                 progress=None, prefix: PrefixSettings | None = None):
         self.s = setup
         self.policy = policy
         self.layout = "contiguous" if policy != "paged" else setup.paged_layout
         self.requests = requests
         self.progress = progress
         self.bpt = setup.kv_bytes_per_token
-        self.alloc = make_allocator(policy, None, setup.pool_bytes(), self.bpt,
-                                    setup.max_model_len, setup.config,
-                                    page_tokens=setup.page_tokens)
+        pool = setup.pool_bytes()
+        self.cache = None
+        if prefix is not None:
+            from allocator.prefix import PrefixCache, TierBandwidth
+
+            device_bytes = int(prefix.device_gb * 1e9)
+            if device_bytes >= pool:
+                raise BadArgument(f"a device tier of {prefix.device_gb} GB leaves no KV pool "
+                                  f"(the card has {pool / 1e9:.2f} GB for KV)")
+            pool -= device_bytes
+            self.cache = PrefixCache(
+                None, self.bpt, device_bytes=device_bytes, host_bytes=int(prefix.host_gb * 1e9),
+                disk_bytes=int(prefix.disk_gb * 1e9), eviction=prefix.eviction,
+                seed=setup.seed, bandwidth=TierBandwidth(
+                    device_copy_gbps=float(setup.timing.copy_gbps),
+                    host_to_device_gbps=prefix.host_to_device_gbps,
+                    device_to_host_gbps=prefix.device_to_host_gbps,
+                    disk_read_gbps=prefix.disk_read_gbps,
+                    disk_write_gbps=prefix.disk_write_gbps))
+        self.prefix = prefix
+        self.alloc = make_allocator(policy, None, pool, self.bpt, setup.max_model_len,
+                                    setup.config, page_tokens=setup.page_tokens)
         self.predictor = make_predictor("oracle" if policy == "oracle" else setup.predictor,
                                         seed=setup.seed, sigma=setup.noise_sigma)
         t = setup.timing
@@ -310,14 +369,23 @@ class Simulation:
             if self.layout == "contiguous" and r.gen - r.made > RELINEARIZE:
                 heapq.heappush(events, (base + RELINEARIZE, 2, i, e))
 
-        def finish(i, r, t):
+        def finish(i, r, t) -> float:
+            """Complete request i at time t; returns seconds its offers to the cache took."""
             nonlocal done
             blk = alloc.block(i)
+            offered = 0.0
+            if cache is not None:
+                if r.prefix and tier_of(r) is None:    # a prefix it computed: keep it
+                    offered += cache.offer(r.prefix, blk, r.prefix_tokens)
+                if r.offer:                            # its whole context, for a next turn
+                    offered += cache.offer(r.offer, blk, r.prompt + r.gen)
+                tot["prefix_offer"] += offered
             alloc.release(i, r.prompt + r.gen - blk.prompt_tokens)
             self.predictor.observe(Request(i, r.prompt, r.gen), r.gen)
             r.made = r.gen
             r.finish = t
             done += 1
+            return offered
 
         def preempt(i, r):
             if i in running:
@@ -333,12 +401,49 @@ class Simulation:
             r.predicted = (max(L, r.made + 1.0), math.inf)
             waiting.appendleft(i)
 
+        cache = self.cache
+        schedule_rule = self.prefix.schedule if self.prefix else "fcfs"
+        dma_busy_until = [now]          # prefetches run on the host link, beside compute
+
+        def tier_of(r):
+            return cache.lookup(r.prefix)[0] if cache is not None and r.prefix else None
+
+        def next_candidate() -> int:
+            """Position in the queue of the request admission tries next: the head (FCFS), or
+            by the prefix schedule: FPF takes prefixes nearest the device first (oldest first
+            among equals; later requests may starve), relaxed FPF the highest
+            (now - arrival) x (4 - tier distance)."""
+            if schedule_rule == "fcfs":
+                return 0
+            best, best_key = 0, None
+            for pos, i in enumerate(itertools.islice(waiting, SCHEDULE_SCAN)):
+                r = reqs[i]
+                d = TIER_DISTANCE[tier_of(r)]
+                key = ((d, r.arrival) if schedule_rule == "fpf"
+                       else (-(now - r.arrival) * (4 - d), r.arrival))
+                if best_key is None or key < best_key:
+                    best, best_key = pos, key
+            return best
+
+        def prefill_seconds(parts) -> tuple[float, float, float]:
+            """(seconds, FLOPs, bytes) of one prefill iteration over (tokens held, tokens
+            covered by the cache) pairs."""
+            flops = sum(s.model.prefill_flops(h - c, cached=c) for h, c in parts) / s.tp
+            computed = sum(h - c for h, c in parts)
+            nbytes = s.weight_bytes + sum(h for h, _ in parts) * self.bpt
+            secs = (max(flops / (self.card_flops * s.mfu), nbytes / (self.seq_gbps * 1e9))
+                    + self.layer_seconds + self.ar_const + computed * self.ar_per_token)
+            return secs, flops, nbytes
+
         def admit() -> float:
-            """FCFS admission and the prefill iteration of the admitted; its seconds."""
+            """Admission (FCFS, or the prefix schedule), prefix restores, and the prefill
+            iteration of the admitted; its seconds."""
             admitted = []
             tokens = 0
+            restore = 0.0
             while waiting and len(running) + len(admitted) < s.max_batch:
-                i = waiting[0]
+                pos = next_candidate()
+                i = waiting[pos]
                 r = reqs[i]
                 held = r.prompt + r.made               # a rerun recomputes what it made
                 if admitted and tokens + held > self.max_prefill:
@@ -354,21 +459,39 @@ class Simulation:
                             f"request {i} ({r.prompt} + {r.gen} tokens) does not fit in an "
                             f"empty KV pool of {pool / 1e9:.2f} GB") from None
                     break
-                waiting.popleft()
-                admitted.append((i, r, held))
-                tokens += held
+                del waiting[pos]
+                covered = 0
+                if cache is not None and r.prefix:
+                    tier = tier_of(r)
+                    tot[f"prefix_{tier or 'miss'}"] += 1
+                    if tier is not None:
+                        covered, secs = cache.restore(r.prefix, blk, r.prefix_tokens)
+                        restore += secs
+                r.covered = covered
+                admitted.append((i, r, held, covered))
+                tokens += held - covered
             if not admitted:
                 return 0.0
-            flops = sum(s.model.prefill_flops(h) for _, _, h in admitted) / s.tp
-            nbytes = s.weight_bytes + tokens * self.bpt
-            secs = (max(flops / (self.card_flops * s.mfu), nbytes / (self.seq_gbps * 1e9))
-                    + self.layer_seconds + self.ar_const + tokens * self.ar_per_token)
+            if restore and dma_busy_until[0] > now:    # a restore waits for prefetches
+                restore += dma_busy_until[0] - now
+            parts = [(h, c) for _, _, h, c in admitted]
+            secs, flops, nbytes = prefill_seconds(parts)
+            if cache is not None:
+                tot["prefill_saved"] += prefill_seconds([(h, 0) for h, _ in parts])[0] - secs
+                tot["prefix_restore"] += restore
+                tot["prefix_covered_tokens"] += sum(c for _, c in parts)
+                if self.prefix.prefetch:
+                    keys = [reqs[j].prefix for j in itertools.islice(waiting, self.prefix.prefetch)
+                            if reqs[j].prefix]
+                    if keys:
+                        dma_busy_until[0] = max(dma_busy_until[0], now) + cache.prefetch(keys)
             tot["prefill_floor_margin_min"] = min(
                 tot.get("prefill_floor_margin_min", math.inf),
                 secs / max(flops / self.card_flops, nbytes / peak_bw))
+            secs += restore
             end = now + secs
             stall = 0.0
-            for i, r, _ in admitted:
+            for i, r, _, _ in admitted:
                 if r.first_token is None:
                     r.first_token = end
                 r.made += 1
@@ -379,11 +502,12 @@ class Simulation:
                     if need > blk.capacity_tokens:
                         blk, extra = self._grow(i, need)
                         stall += extra
+                        tot["migration"] += extra
                 except OutOfMemory:
                     preempt(i, r)
                     continue
                 if r.made >= r.gen:                    # a one-token request is done
-                    finish(i, r, end)
+                    stall += finish(i, r, end)
                     continue
                 r.start_step = step
                 r.cap = blk.capacity_tokens
@@ -392,7 +516,6 @@ class Simulation:
                 running[i] = r
                 schedule(i, r)
             tot["prefill"] += secs
-            tot["migration"] += stall
             tot["prefills"] += 1
             tot["prefill_tokens"] += tokens
             return secs + stall
@@ -464,7 +587,7 @@ class Simulation:
                 if kind == 0:
                     add(r, -1)
                     del running[i]
-                    finish(i, r, now)
+                    stall += finish(i, r, now)
                     continue
                 r.made += at - r.start_step
                 r.start_step = at
@@ -475,6 +598,7 @@ class Simulation:
                         preempt(i, r)
                         continue
                     stall += extra
+                    tot["migration"] += extra
                     relinearize(i, r, blk)
                     if r.prompt + r.gen > r.cap:
                         heapq.heappush(events, (at + r.cap - r.prompt - r.made, 1, i, e))
@@ -482,9 +606,7 @@ class Simulation:
                     relinearize(i, r, alloc.block(i))
                     if r.gen - r.made > RELINEARIZE:
                         heapq.heappush(events, (at + RELINEARIZE, 2, i, e))
-            if stall:
-                tot["migration"] += stall
-                now += stall
+            now += stall
             if now >= next_sample:
                 next_sample = now + max(1e-3, (now - t_first) / SERIES_POINTS)
                 series.append((now, len(running), len(waiting), alloc.reserved_bytes / pool))
@@ -538,9 +660,10 @@ def fit_lengths(trace, max_model_len: int | None, model: ModelSpec, clip: bool):
 
 
 def run_policy(trace, arrivals, policy: str, setup: ServingSetup, *, replicas: int = 1,
-               clip: bool = False, progress=None) -> dict:
+               clip: bool = False, progress=None, prefix: PrefixSettings | None = None) -> dict:
     """Serve `trace` (arrival seconds given) with `policy` on `replicas` replicas (request i
-    goes to replica i mod replicas); the metrics of the whole run."""
+    goes to replica i mod replicas), with a prefix cache per replica when `prefix` is given;
+    the metrics of the whole run."""
     t_wall = time.perf_counter()
     prompt, gen, keep, cap, dropped, truncated = fit_lengths(trace, setup.max_model_len or None,
                                                              setup.model, clip)
@@ -552,8 +675,12 @@ def run_policy(trace, arrivals, policy: str, setup: ServingSetup, *, replicas: i
         idx = np.arange(rep, len(keep), replicas)
         if not len(idx):
             continue
-        reqs = [RequestState(int(j), int(prompt[j]), int(gen[j]), float(arrive[j])) for j in idx]
-        sim = Simulation(setup, policy, reqs, progress)
+        named = trace.prefix_id is not None and prefix is not None
+        reqs = [RequestState(int(j), int(prompt[j]), int(gen[j]), float(arrive[j]),
+                             *((trace.prefix_id[keep[j]], int(trace.prefix_tokens[keep[j]]),
+                                trace.offer_id[keep[j]]) if named else ()))
+                for j in idx]
+        sim = Simulation(setup, policy, reqs, progress, prefix)
         try:
             results.append(sim.run())
         finally:
@@ -562,6 +689,8 @@ def run_policy(trace, arrivals, policy: str, setup: ServingSetup, *, replicas: i
         results[-1]["reserved_tokens"] = sim.alloc.reserved_tokens_sum
         results[-1]["layout"] = sim.layout
         results[-1]["pool_bytes"] = sim.alloc.pool_bytes
+        if sim.cache is not None:
+            results[-1]["prefix_cache"] = sim.cache.stats()
         all_reqs += reqs
     return summarise(trace, policy, setup, results, all_reqs, replicas, dropped, truncated,
                      time.perf_counter() - t_wall)
@@ -585,7 +714,7 @@ def summarise(trace, policy, setup, results, reqs, replicas, dropped, truncated,
     e2e = [q.finish - q.arrival for q in reqs]
     tpot = [(q.finish - q.first_token) / (q.gen - 1) for q in reqs if q.gen > 1]
     decode = tot["decode"] or 1e-30
-    busy = tot["decode"] + tot["prefill"] + tot["migration"]
+    busy = tot["decode"] + tot["prefill"] + tot["migration"] + tot["prefix_offer"]
     used = sum(r["used_tokens"] for r in results)
     reserved = sum(r["reserved_tokens"] for r in results)
     alloc_stats = [r["allocator"] for r in results]
@@ -642,10 +771,32 @@ def summarise(trace, policy, setup, results, reqs, replicas, dropped, truncated,
             "weight_bytes_per_card": setup.weight_bytes, "seed": setup.seed,
         },
         "timing": setup.timing.describe(),
+        "prefix_cache": _prefix_summary(tot, results, reqs),
         "series": [{"t": t, "running": nr, "waiting": nw, "occupancy": o}
                    for t, nr, nw, o in results[0]["series"]],
     }
     return out
+
+
+def _prefix_summary(tot, results, reqs) -> dict | None:
+    """What the prefix cache did: lookups by where the prefix was, tokens and prefill seconds
+    saved, restore and offer seconds, and the caches' own statistics."""
+    caches = [r["prefix_cache"] for r in results if "prefix_cache" in r]
+    if not caches:
+        return None
+    found = {t: int(tot[f"prefix_{t}"]) for t in ("device", "host", "disk", "miss")}
+    lookups = sum(found.values())
+    return {
+        "lookups": lookups,
+        "found": found,
+        "hit_rate": {t: (v / lookups if lookups else None) for t, v in found.items()},
+        "covered_tokens": int(tot["prefix_covered_tokens"]),
+        "prompt_tokens": int(sum(q.prompt for q in reqs)),
+        "prefill_saved_s": tot["prefill_saved"],
+        "restore_s": tot["prefix_restore"],
+        "offer_s": tot["prefix_offer"],
+        "caches": caches,
+    }
 
 
 def progress_printer(label: str, stream=sys.stderr):
