@@ -13,6 +13,13 @@ NATIVE = pathlib.Path(__file__).resolve().parent
 HEADER = NATIVE / "odma.h"
 # one small file per backend; the order only matters for readability of build logs
 SOURCES = ["common.c", "host.c", "copier.c", "cuda.c", "cnrt.c"]
+# every header the sources include (odma.h, common.h, copy_kernel.h and the generated
+# kernels_ptx.h): a change to any of them rebuilds the shim
+HEADERS = sorted(p.name for p in NATIVE.glob("*.h"))
+
+
+def _rel(name: str) -> str:
+    return str((NATIVE / name).relative_to(NATIVE.parent))
 
 
 def _cdef() -> str:
@@ -27,7 +34,8 @@ ffibuilder.cdef(_cdef())
 ffibuilder.set_source(
     "odma_hw._native",
     '#include "odma.h"\n',
-    sources=[str((NATIVE / s).relative_to(NATIVE.parent)) for s in SOURCES],
+    sources=[_rel(s) for s in SOURCES],
+    depends=[_rel(h) for h in HEADERS],
     include_dirs=[str(NATIVE.relative_to(NATIVE.parent))],
     # Built at install time on the machine that runs it, so -march=native is safe and lets the
     # kernels use the widest vector loads the CPU has.

@@ -29,12 +29,10 @@
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <pthread.h>
-#include <stdarg.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #include "common.h"
 
@@ -57,7 +55,6 @@ enum { ATTR_MEM_CLOCK_RATE = 0x403, ATTR_GMEM_BUS_WIDTH = 0x404, ATTR_TOTAL_MEM_
 #define MAX_1D_ACCESSES 65536 /* per repetition: one DMA call each, bound the run time */
 #define SLOTS_1D 4096        /* scratch granules the 1D form cycles through */
 #define READ_CHUNK (16u << 20) /* bytes per DMA copy of the sequential read */
-#define MAX_REPS 10000
 
 static struct {
     /* required */
@@ -313,13 +310,6 @@ static int have_queue_timing(void)
            cn.NotifierDestroy && cn.PlaceNotifier && cn.NotifierElapsedTime;
 }
 
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
 static int timing_open(struct timing *t, int n, int async, char *msg)
 {
     memset(t, 0, sizeof *t);
@@ -356,7 +346,7 @@ static void timing_close(struct timing *t)
 static int timing_mark(struct timing *t, int i, char *msg)
 {
     if (!t->async) {
-        t->clock[i] = now_s();
+        t->clock[i] = odma_now_s();
         return ODMA_OK;
     }
     cnrtRet_t r = cn.PlaceNotifier(t->marks[i], t->queue);
@@ -429,27 +419,11 @@ int odma_mlu_copy(int ordinal, uint64_t dst, uint64_t src, size_t bytes, double 
 }
 
 /* ---- measurement ---- */
-static uint64_t splitmix64(uint64_t *state)
-{
-    uint64_t z = (*state += 0x9E3779B97F4A7C15ULL);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
-    return z ^ (z >> 31);
-}
-
 /* uniform in [0, n) */
 static uint64_t below(uint64_t *state, uint64_t n)
 {
-    return (uint64_t)(((unsigned __int128)splitmix64(state) * n) >> 64);
+    return (uint64_t)(((unsigned __int128)odma_splitmix64(state) * n) >> 64);
 }
-
-static int cmp_double(const void *a, const void *b)
-{
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
-
-static int is_pow2(size_t x) { return x && !(x & (x - 1)); }
 
 /* What one repetition does. */
 struct plan {
@@ -538,13 +512,14 @@ int odma_mlu_measure(int ordinal, uint64_t buf, size_t bytes, int pattern, size_
         return odma_set_msg(msg, ODMA_EINVAL, "mlu measure: null buffer");
     if (pattern != ODMA_PAT_READ && pattern != ODMA_PAT_COPY && pattern != ODMA_PAT_RAND)
         return odma_set_msg(msg, ODMA_EINVAL, "unknown pattern %d", pattern);
-    if (reps < 1 || reps > MAX_REPS)
-        return odma_set_msg(msg, ODMA_EINVAL, "reps must be in [1, %d], got %d", MAX_REPS, reps);
+    if (reps < 1 || reps > ODMA_MAX_REPS)
+        return odma_set_msg(msg, ODMA_EINVAL, "reps must be in [1, %d], got %d", ODMA_MAX_REPS, reps);
     if (pattern == ODMA_PAT_COPY && bytes < 2)
         return odma_set_msg(msg, ODMA_EINVAL, "buffer of %zu B is too small to copy half of it", bytes);
-    if (pattern == ODMA_PAT_RAND && (!is_pow2(granule) || granule < 8 || granule > bytes))
-        return odma_set_msg(msg, ODMA_EINVAL, "granule %zu must be a power of two in [8, %zu]", granule,
-                       bytes);
+    if (pattern == ODMA_PAT_RAND &&
+        (!odma_is_pow2(granule) || granule < ODMA_MIN_GRANULE || granule > bytes))
+        return odma_set_msg(msg, ODMA_EINVAL, "granule %zu must be a power of two in [%d, %zu]",
+                            granule, ODMA_MIN_GRANULE, bytes);
     int st = enter(ordinal, msg);
     if (st != ODMA_OK)
         return st;
@@ -627,11 +602,7 @@ int odma_mlu_measure(int ordinal, uint64_t buf, size_t bytes, int pattern, size_
     }
     if ((st = timing_mark(&t, reps, msg)) != ODMA_OK || (st = timing_read(&t, reps, seconds, msg)) != ODMA_OK)
         goto out;
-    qsort(seconds, (size_t)reps, sizeof *seconds, cmp_double);
-    out->best_s = seconds[0];
-    out->worst_s = seconds[reps - 1];
-    out->median_s = reps % 2 ? seconds[reps / 2] : 0.5 * (seconds[reps / 2 - 1] + seconds[reps / 2]);
-    out->reps = reps;
+    odma_summarise_times(seconds, reps, out);
     out->threads = 0;
 out:
     timing_close(&t); /* safe on a zeroed or half-opened timing */

@@ -4,6 +4,8 @@
 #include <dlfcn.h>
 #include <stdarg.h>
 #include <stdio.h>
+#include <stdlib.h>
+#include <time.h>
 
 int odma_set_msg(char *msg, int status, const char *fmt, ...)
 {
@@ -27,4 +29,26 @@ const char *odma_resolve_symbols(void *lib, const struct odma_symbol *table, siz
             missing = table[i].names[0];
     }
     return missing;
+}
+
+double odma_now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static int cmp_double(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+void odma_summarise_times(double *seconds, int reps, odma_result *out)
+{
+    qsort(seconds, (size_t)reps, sizeof *seconds, cmp_double);
+    out->best_s = seconds[0];
+    out->median_s = reps % 2 ? seconds[reps / 2] : 0.5 * (seconds[reps / 2 - 1] + seconds[reps / 2]);
+    out->worst_s = seconds[reps - 1];
+    out->reps = reps;
 }

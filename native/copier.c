@@ -11,7 +11,6 @@
 #include "copy_kernel.h"
 
 #include <pthread.h>
-#include <stdarg.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <string.h>
@@ -19,8 +18,6 @@
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #endif
-
-#define MAX_THREADS 256
 
 
 const char *odma_copy_isa(void)
@@ -121,8 +118,8 @@ static void *copy_worker(void *arg)
 
 int odma_copy(void *dst, const void *src, size_t bytes, int threads, char *msg)
 {
-    if (threads < 1 || threads > MAX_THREADS)
-        return odma_set_msg(msg, ODMA_EINVAL, "threads must be in [1, %d], got %d", MAX_THREADS, threads);
+    if (threads < 1 || threads > ODMA_MAX_THREADS)
+        return odma_set_msg(msg, ODMA_EINVAL, "threads must be in [1, %d], got %d", ODMA_MAX_THREADS, threads);
     if (bytes == 0)
         return ODMA_OK;  /* like memmove: copying nothing is not an error */
     if (!dst || !src)
@@ -149,9 +146,9 @@ int odma_copy(void *dst, const void *src, size_t bytes, int threads, char *msg)
 
     /* chunk boundaries on 4 KiB multiples so each thread owns whole pages of the destination */
     size_t chunk = ((bytes + (size_t)n - 1) / (size_t)n + 4095) & ~(size_t)4095;
-    copy_job jobs[MAX_THREADS];
-    pthread_t tids[MAX_THREADS];
-    int started[MAX_THREADS];
+    copy_job jobs[ODMA_MAX_THREADS];
+    pthread_t tids[ODMA_MAX_THREADS];
+    int started[ODMA_MAX_THREADS];
     int count = 0;
     for (size_t off = 0; off < bytes; off += chunk, count++) {
         jobs[count].dst = (char *)dst + off;

@@ -22,19 +22,14 @@
 
 #include <errno.h>
 #include <pthread.h>
-#include <stdarg.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
-#include <time.h>
 #include <unistd.h>
 
 #define HUGE_PAGE ((size_t)2 << 20)
-#define MAX_THREADS 256
-#define MAX_REPS 100000
-#define MIN_GRANULE 8
 #define READ_BLOCK 256   /* bytes per unrolled iteration of the read kernel */
 #define RAND_STREAMS 8     /* independent PRNG streams interleaved per thread */
 
@@ -57,17 +52,7 @@ typedef uint64_t vload __attribute__((may_alias));
 #define LOAD_ISA "scalar"
 #endif
 
-
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
 static size_t round_up(size_t x, size_t to) { return (x + to - 1) / to * to; }
-
-static int is_pow2(size_t x) { return x && !(x & (x - 1)); }
 
 /* ---------------------------------------------------------------- threads with a start gate */
 
@@ -100,8 +85,8 @@ static void *gated_entry(void *p)
 static int run_threads(int n, void *(*fn)(void *), void *args, size_t stride, char *msg)
 {
     start_gate gate = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0};
-    gated_call calls[MAX_THREADS];
-    pthread_t tids[MAX_THREADS];
+    gated_call calls[ODMA_MAX_THREADS];
+    pthread_t tids[ODMA_MAX_THREADS];
     int created = 1, err = 0;
     for (int i = 1; i < n; i++, created++) {
         calls[i] = (gated_call){&gate, fn, (char *)args + (size_t)i * stride};
@@ -153,8 +138,8 @@ int odma_host_alloc(size_t bytes, int threads, void **ptr, char *msg)
     *ptr = NULL;
     if (bytes == 0)
         return odma_set_msg(msg, ODMA_EINVAL, "cannot allocate 0 bytes");
-    if (threads < 1 || threads > MAX_THREADS)
-        return odma_set_msg(msg, ODMA_EINVAL, "threads must be in [1, %d], got %d", MAX_THREADS, threads);
+    if (threads < 1 || threads > ODMA_MAX_THREADS)
+        return odma_set_msg(msg, ODMA_EINVAL, "threads must be in [1, %d], got %d", ODMA_MAX_THREADS, threads);
     size_t len = round_up(bytes, HUGE_PAGE);
     if (len < bytes || len + HUGE_PAGE < len)
         return odma_set_msg(msg, ODMA_EINVAL, "size %zu is too large", bytes);
@@ -175,7 +160,7 @@ int odma_host_alloc(size_t bytes, int threads, void **ptr, char *msg)
     /* a refusal (THP disabled) is not an error: odma_host_huge_bytes reports what was granted */
     madvise(base, len, MADV_HUGEPAGE);
 #endif
-    touch_job jobs[MAX_THREADS];
+    touch_job jobs[ODMA_MAX_THREADS];
     for (int i = 0; i < threads; i++)
         jobs[i] = (touch_job){base, len, i, threads};
     if (run_threads(threads, touch_worker, jobs, sizeof jobs[0], NULL) != ODMA_OK)
@@ -259,14 +244,6 @@ typedef struct {
     uint64_t rng[RAND_STREAMS];
     uint64_t sink;       /* folded loads: stored so the compiler must perform them */
 } worker;
-
-static uint64_t splitmix64(uint64_t *s)
-{
-    uint64_t z = (*s += 0x9e3779b97f4a7c15ULL);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-    return z ^ (z >> 31);
-}
 
 /* Multiplicative congruential step (period 2^62 from an odd seed): one multiply, the cheapest
  * generator whose top bits are good enough to defeat prefetchers. A xorshift64 step costs six
@@ -463,7 +440,7 @@ static void *measure_worker(void *p)
         double t0 = 0;
         pthread_barrier_wait(&c->barrier);
         if (w->tid == 0)
-            t0 = now_s();
+            t0 = odma_now_s();
         switch (c->pattern) {
         case ODMA_PAT_READ: w->sink ^= read_kernel(c, w->tid); break;
         case ODMA_PAT_COPY: copy_kernel(c, w->tid); break;
@@ -471,15 +448,9 @@ static void *measure_worker(void *p)
         }
         pthread_barrier_wait(&c->barrier);
         if (w->tid == 0)
-            c->times[r] = now_s() - t0;
+            c->times[r] = odma_now_s() - t0;
     }
     return NULL;
-}
-
-static int cmp_double(const void *a, const void *b)
-{
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
 }
 
 int odma_host_measure(void *buf, size_t bytes, int pattern, size_t granule, int threads, int reps,
@@ -493,10 +464,10 @@ int odma_host_measure(void *buf, size_t bytes, int pattern, size_t granule, int 
         return odma_set_msg(msg, ODMA_EINVAL, "buffer size is 0");
     if ((uintptr_t)buf + bytes < (uintptr_t)buf)
         return odma_set_msg(msg, ODMA_EINVAL, "buffer wraps around the address space");
-    if (threads < 1 || threads > MAX_THREADS)
-        return odma_set_msg(msg, ODMA_EINVAL, "threads must be in [1, %d], got %d", MAX_THREADS, threads);
-    if (reps < 1 || reps > MAX_REPS)
-        return odma_set_msg(msg, ODMA_EINVAL, "reps must be in [1, %d], got %d", MAX_REPS, reps);
+    if (threads < 1 || threads > ODMA_MAX_THREADS)
+        return odma_set_msg(msg, ODMA_EINVAL, "threads must be in [1, %d], got %d", ODMA_MAX_THREADS, threads);
+    if (reps < 1 || reps > ODMA_MAX_REPS)
+        return odma_set_msg(msg, ODMA_EINVAL, "reps must be in [1, %d], got %d", ODMA_MAX_REPS, reps);
 
     measure_ctx c = {.buf = buf, .bytes = bytes, .pattern = pattern, .granule = granule,
                      .threads = threads, .reps = reps, .passes = 1, .seed = seed};
@@ -522,10 +493,10 @@ int odma_host_measure(void *buf, size_t bytes, int pattern, size_t granule, int 
         method = c.nontemporal ? "nt-copy" : "memcpy-copy";
         break;
     case ODMA_PAT_RAND:
-        if (!is_pow2(granule) || granule < MIN_GRANULE || granule > bytes)
+        if (!odma_is_pow2(granule) || granule < ODMA_MIN_GRANULE || granule > bytes)
             return odma_set_msg(msg, ODMA_EINVAL,
                         "granule must be a power of two in [%d, %zu (buffer)], got %zu",
-                        MIN_GRANULE, bytes, granule);
+                        ODMA_MIN_GRANULE, bytes, granule);
         c.accesses = (work_bytes ? work_bytes : bytes) / granule;
         if (c.accesses == 0)
             c.accesses = 1;
@@ -554,20 +525,15 @@ int odma_host_measure(void *buf, size_t bytes, int pattern, size_t granule, int 
         w[t].tid = t;
         uint64_t s = seed ^ (0x5851f42d4c957f2dULL * (uint64_t)(t + 1));
         for (int k = 0; k < RAND_STREAMS; k++) {
-            w[t].rng[k] = splitmix64(&s) | 1;  /* odd: the multiplicative generator's full period */
+            w[t].rng[k] = odma_splitmix64(&s) | 1;  /* odd: the multiplicative generator's full period */
         }
     }
     int status = run_threads(threads, measure_worker, w, sizeof *w, msg);
     pthread_barrier_destroy(&c.barrier);
     if (status == ODMA_OK) {
-        double *timed = c.times + 1;
-        qsort(timed, (size_t)reps, sizeof *timed, cmp_double);
         memset(out, 0, sizeof *out);
+        odma_summarise_times(c.times + 1, reps, out);  /* [0] is the warm-up */
         out->bytes = moved;
-        out->best_s = timed[0];
-        out->median_s = reps % 2 ? timed[reps / 2] : 0.5 * (timed[reps / 2 - 1] + timed[reps / 2]);
-        out->worst_s = timed[reps - 1];
-        out->reps = reps;
         out->threads = threads;
         snprintf(out->method, sizeof out->method, "%s", method);
     }

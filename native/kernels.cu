@@ -1,11 +1,12 @@
-// kernels.cu - source of the PTX embedded in native/cuda.c (the shim never runs nvcc).
+// kernels.cu - source of the PTX that native/cuda.c embeds from native/kernels_ptx.h (the shim's
+// build never runs nvcc).
 //
 // CUDA 13's nvcc emits .version 9.x / .target sm_75, which older drivers reject; the shim ships the
 // lowest ISA that every supported driver accepts (.version 6.4, .target sm_52), so the header is
-// lowered after compiling. Regenerate the embedded PTX with
+// lowered after compiling. After editing this file, regenerate kernels_ptx.h with
 //
 //   .venv/bin/python native/regen_ptx.py        (nvcc -ptx, lower the header, check with ptxas for
-//                                                 sm_75 and sm_90, rewrite ODMA_PTX in cuda.c)
+//                                                 sm_75 and sm_90, rewrite kernels_ptx.h)
 //
 // tests/test_cuda.py checks that the embedded PTX assembles and still matches this file.
 //

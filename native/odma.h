@@ -27,6 +27,15 @@
 #define ODMA_ENODEV 4     /* library present but no such device */
 #define ODMA_EDEVICE 5    /* the device or its runtime failed during the call */
 
+/* limits the entry points enforce, here so that callers check against the same numbers */
+/* host threads per call (odma_host_*, odma_copy): their per-thread state lives on the stack */
+#define ODMA_MAX_THREADS 256
+/* Timed repetitions per measurement. One value for every backend: CUDA and CNRT hold one event or
+ * notifier per repetition (reps + 1 driver objects at once), and 10000 repetitions of the 10-100 ms
+ * a timed region lasts are already minutes to hours, far past what a best/median summary needs. */
+#define ODMA_MAX_REPS 10000
+#define ODMA_MIN_GRANULE 8    /* smallest random-access granule, bytes (one 64-bit load) */
+
 /* access patterns for *_measure */
 #define ODMA_PAT_READ 0   /* sequential read of the whole buffer */
 #define ODMA_PAT_COPY 1   /* sequential copy: first half -> second half, counted 2x */

@@ -5,21 +5,29 @@ granularities on one Device and classifies it: RACM when B_rand / B_seq at the d
 granule is below alpha (the ODMA paper's 0.3-0.7 range; default 0.5). The verdict is
 "inconclusive" when the measurement cannot support one (devices.md rule 8): bandwidth still scales
 with threads at the last core count (the memory system was not saturated, so the ratio is a
-per-core limit), bandwidth sits far below the known peak, or repetitions disagree too much.
+per-core limit), bandwidth sits far below the known peak, repetitions disagree too much, or the
+working set may have fit in a cache.
+
+Every argument is checked before anything is measured: plan_probe() validates one device's probe
+(and asks the device whether it would accept every measurement of the plan), run_plan() measures.
+The `probe` command plans every device it was given before it measures the first one.
 
 Also the `devices` and `probe` subcommands of the CLI.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import math
 import sys
 import time
 from typing import Callable
 
+from odma_hw import argtypes, plotting
 from odma_hw import devices as devmod
-from odma_hw.devices.base import Device, Measurement
+from odma_hw.devices.base import MIN_GRANULE, Device, DeviceInfo, Measurement, is_int
 from odma_hw.errors import BadArgument
 
 SCHEMA = "odma-hw.probe/1"
@@ -31,29 +39,73 @@ SCALING_TOLERANCE = 1.15
 MIN_PEAK_FRACTION = 0.3
 # (median - best) / best above this means the repetitions disagree (a noisy or throttled run)
 MAX_REP_DISAGREEMENT = 0.25
+# STREAM's rule: a working set of at least 4 x the largest cache in front of the memory measures
+# the memory; below it part of every pass can be served by the cache
+CACHE_FACTOR = 4
+MIB = 1 << 20
+
+
+def check_granule(g) -> int:
+    """A granule: an integer power of two >= 8 bytes (the upper bound is the buffer)."""
+    if not is_int(g) or g < MIN_GRANULE or g & (g - 1):
+        raise BadArgument(f"granularity {g!r} is not a power of two >= {MIN_GRANULE}")
+    return g
+
+
+def _bytes_of(text: str) -> int | None:
+    """'64' -> 64, '4K' -> 4096, '1M' -> 1048576 (a trailing B is allowed); None if malformed."""
+    part = text.strip().upper().removesuffix("B")
+    mult = {"K": 1 << 10, "M": 1 << 20}.get(part[-1:], 1)
+    if mult > 1:
+        part = part[:-1]
+    return int(part) * mult if part.isdigit() else None
+
+
+def parse_granule(text: str) -> int:
+    """One granule, as --decision-granularity takes it: '64' or '4K'."""
+    g = _bytes_of(text)
+    if g is None:
+        raise BadArgument(f"malformed granularity {text!r}: expected e.g. 32, 64 or 4K")
+    return check_granule(g)
 
 
 def parse_granularities(text: str) -> list[int]:
     """'32,64,4K' -> [32, 64, 4096]; each a power of two >= 8 (the upper bound is the buffer)."""
-    out = []
-    for part in text.split(","):
-        part = part.strip().upper().removesuffix("B")
-        mult = {"K": 1 << 10, "M": 1 << 20}.get(part[-1:], 1)
-        if mult > 1:
-            part = part[:-1]
-        if not part.isdigit():
-            raise BadArgument(f"malformed granularity {text!r}: expected e.g. 32,64,4K")
-        g = int(part) * mult
-        if g < 8 or g & (g - 1):
-            raise BadArgument(f"granularity {g} is not a power of two >= 8")
-        out.append(g)
-    return sorted(set(out))
+    values = [_bytes_of(part) for part in text.split(",")]
+    if None in values:
+        raise BadArgument(f"malformed granularity {text!r}: expected e.g. 32,64,4K")
+    return sorted({check_granule(g) for g in values})
 
 
 def check_alpha(alpha: float) -> float:
-    if not (0.0 < alpha < 1.0):
+    if not (isinstance(alpha, (int, float)) and 0.0 < alpha < 1.0):  # also refuses nan
         raise BadArgument(f"alpha must lie in (0, 1), got {alpha}")
     return alpha
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / MIB:g} MiB"
+
+
+def cache_of(info: DeviceInfo) -> tuple[int | None, str, str]:
+    """(bytes, name, where the size comes from) of the largest cache in front of a device's
+    memory: the last-level cache the OS reports (host), the L2 the runtime reports (CUDA, MLU);
+    0 for the emulator, which models no cache; None when the backend does not know."""
+    if info.kind == "emu":
+        return 0, "cache", "the emulator models none"
+    if info.details.get("llc_reported_bytes"):
+        return int(info.details["llc_reported_bytes"]), "last-level cache", (
+            "as the OS reports it in /sys/devices/system/cpu/cpu0/cache; inside a VM that can be "
+            "the host's whole L3")
+    if info.details.get("l2_bytes"):
+        return int(info.details["l2_bytes"]), "L2 cache", "as the device's runtime reports it"
+    return None, "cache", "the backend does not report it"
+
+
+def uses_host_threads(info: DeviceInfo) -> bool:
+    """Whether `threads` means something for this device: the host's CPUs do the work. Other
+    devices (max_threads 1) run on their own parallelism."""
+    return info.kind == "host" or info.max_threads > 1
 
 
 @dataclasses.dataclass
@@ -97,8 +149,11 @@ class ProbeResult:
 
 def classify(ratio: float, alpha: float, seq_scaling: dict[int, float],
              rand_scaling: dict[int, float], peak_gbps: float | None,
-             measurements: list[Measurement]) -> tuple[str, str]:
-    """(verdict, reason) from the measured numbers; see the module docstring for the rules."""
+             measurements: list[Measurement], cache_note: str | None = None) -> tuple[str, str]:
+    """(verdict, reason) from the measured numbers; see the module docstring for the rules.
+    `cache_note` says why the working set may have fit in a cache (plan_probe decides)."""
+    if cache_note:
+        return "inconclusive", f"cache: {cache_note}, so the ratio {ratio:.2f} may describe the cache"
     for name, scaling in (("sequential", seq_scaling), ("random", rand_scaling)):
         counts = sorted(scaling)
         if len(counts) > 1:
@@ -122,56 +177,134 @@ def classify(ratio: float, alpha: float, seq_scaling: dict[int, float],
     return "not-racm", f"random/sequential {ratio:.2f} >= alpha {alpha:.2f}"
 
 
-def probe_device(device: Device, granularities=DEFAULT_GRANULARITIES, alpha=DEFAULT_ALPHA,
-                 threads: int | None = None, decision_granule: int | None = None,
-                 buffer_bytes: int | None = None, reps: int = 5,
-                 progress: Callable[[str, int, int], None] | None = None) -> ProbeResult:
-    """Measure and classify one device. `threads` defaults to every core the backend may use;
-    sequential and decision-granule random bandwidth are also taken at half the threads (and 1)
-    to see whether they still scale."""
+@dataclasses.dataclass
+class ProbePlan:
+    """One device's probe, validated: what run_plan() measures, in order."""
+
+    device: Device
+    granularities: list[int]
+    decision_granule: int
+    alpha: float
+    threads: int
+    thread_counts: list[int]
+    buffer_bytes: int | None          # None: each measurement uses the backend's default
+    reps: int
+    steps: list[tuple[str, int, int]]  # (pattern, granule, threads)
+    cache_note: str | None            # why the working set may fit in a cache (-> inconclusive)
+
+
+def _threads_for(info: DeviceInfo, threads: int | None) -> int:
+    """Host threads for `info`'s measurements. Devices that run on their own parallelism
+    (max_threads 1, not the host) always get 1: --threads is about host CPUs."""
+    uses_cpus = uses_host_threads(info)
+    if threads is None:
+        return info.max_threads if uses_cpus else 1
+    if not is_int(threads) or threads < 1:
+        raise BadArgument(f"threads must be a positive integer, got {threads!r}")
+    if not uses_cpus:
+        return 1
+    if threads > info.max_threads:
+        raise BadArgument(
+            f"threads {threads} is more than the {info.max_threads} CPU(s) {info.spec} can run on "
+            f"here (this process's CPU affinity): more threads only take turns on the same cores; "
+            f"use 1 to {info.max_threads}")
+    return threads
+
+
+def _cache_note(device: Device, buffer_bytes: int | None) -> str | None:
+    """BadArgument for a buffer that would measure a known cache; otherwise why the working set
+    may still fit in a cache (a note that makes the verdict inconclusive), or None."""
+    info = device.info
+    cache, what, source = cache_of(info)
+    need = CACHE_FACTOR * cache if cache else 0
+    if buffer_bytes is not None:
+        if cache and buffer_bytes < need:
+            raise BadArgument(
+                f"buffer {_mib(buffer_bytes)} is below {CACHE_FACTOR} x the {_mib(cache)} {what} "
+                f"of {info.spec}: it would time the cache, not the memory; use at least "
+                f"{_mib(need)} ({_mib(cache)} {source})")
+        default = device.default_buffer_bytes("read")
+        if cache is None and buffer_bytes < default:
+            return (f"{info.spec} reports no cache size and the {_mib(buffer_bytes)} buffer is "
+                    f"below its {_mib(default)} default working set")
+        return None
+    if cache:  # the defaults: streaming follows the 4 x cache rule unless memory capped it
+        small = [p for p in ("read", "copy") if device.default_buffer_bytes(p) < need]
+        if small:
+            return (f"the default {small[0]} buffer {_mib(device.default_buffer_bytes(small[0]))} "
+                    f"(capped by free memory) is below {CACHE_FACTOR} x the {_mib(cache)} {what} "
+                    f"({source})")
+    return None
+
+
+def plan_probe(device: Device, granularities=DEFAULT_GRANULARITIES, alpha=DEFAULT_ALPHA,
+               threads: int | None = None, decision_granule: int | None = None,
+               buffer_bytes: int | None = None, reps: int = 5) -> ProbePlan:
+    """Check every argument of a probe of `device` and return its plan; raise BadArgument for
+    anything the probe or the device would refuse, before anything is allocated or measured.
+    `threads` defaults to every CPU the host may use (devices: 1, they run on their own
+    parallelism); sequential and decision-granule random bandwidth are also taken at half the
+    threads (and 1) to see whether they still scale."""
     info = device.info
     check_alpha(alpha)
-    threads = threads or info.max_threads
-    if threads < 1:
-        raise BadArgument(f"threads must be >= 1, got {threads}")
-    if reps < 1:
-        raise BadArgument(f"reps must be >= 1, got {reps}")
-    gran = decision_granule or info.natural_granule
-    grans = sorted(set(granularities) | {gran})
-    for g in grans:
-        if g < 8 or g & (g - 1):
-            raise BadArgument(f"granularity {g} is not a power of two >= 8")
+    threads = _threads_for(info, threads)
+    if not is_int(reps) or reps < 1:
+        raise BadArgument(f"reps must be a positive integer, got {reps!r}")
+    gran = info.natural_granule if decision_granule is None else check_granule(decision_granule)
+    grans = sorted({check_granule(g) for g in granularities} | {gran})
+    if buffer_bytes is not None and (not is_int(buffer_bytes) or buffer_bytes <= 0):
+        raise BadArgument(f"buffer size must be a positive integer of bytes, got {buffer_bytes!r}")
+    cache_note = _cache_note(device, buffer_bytes)
     thread_counts = sorted({1, max(1, threads // 2), threads})
+    steps = [("read", 64, t) for t in thread_counts] + [("copy", 64, threads)]
+    steps += [("rand", gran, t) for t in thread_counts if t != threads]
+    steps += [("rand", g, threads) for g in grans]
+    for pattern, g, t in steps:  # the device's own rules (memory, granule vs buffer, limits)
+        device.check_measure(pattern, g, t, buffer_bytes=buffer_bytes, reps=reps)
+    return ProbePlan(device, grans, gran, alpha, threads, thread_counts, buffer_bytes, reps, steps,
+                     cache_note)
 
-    plan = [("read", 64, t) for t in thread_counts] + [("copy", 64, threads)]
-    plan += [("rand", gran, t) for t in thread_counts if t != threads]
-    plan += [("rand", g, threads) for g in grans]
+
+def run_plan(plan: ProbePlan,
+             progress: Callable[[str, int, int], None] | None = None) -> ProbeResult:
+    """Measure and classify one device as planned."""
+    device, info, threads, gran = plan.device, plan.device.info, plan.threads, plan.decision_granule
     measured: dict[tuple[str, int, int], Measurement] = {}
-    for i, key in enumerate(plan):
+    for i, key in enumerate(plan.steps):
         pattern, g, t = key
         if progress:
-            progress(f"{info.spec}: {pattern} {g} B x{t} thread{'s' * (t > 1)}", i, len(plan))
-        measured[key] = device.measure(pattern, g, t, buffer_bytes=buffer_bytes, reps=reps)
+            progress(f"{info.spec}: {pattern} {g} B x{t} thread{'s' * (t > 1)}", i, len(plan.steps))
+        measured[key] = device.measure(pattern, g, t, buffer_bytes=plan.buffer_bytes, reps=plan.reps)
     if progress:
-        progress(f"{info.spec}: done", len(plan), len(plan))
+        progress(f"{info.spec}: done", len(plan.steps), len(plan.steps))
     results = list(measured.values())
 
     def pick(pattern, g=64, t=threads):
         return measured[(pattern, g, t)]
 
-    seq_scaling = {t: pick("read", t=t).gbps for t in thread_counts}
-    rand_scaling = {t: pick("rand", gran, t).gbps for t in thread_counts}
+    seq_scaling = {t: pick("read", t=t).gbps for t in plan.thread_counts}
+    rand_scaling = {t: pick("rand", gran, t).gbps for t in plan.thread_counts}
     seq = seq_scaling[threads]
-    rand = {g: pick("rand", g).gbps for g in grans}
+    rand = {g: pick("rand", g).gbps for g in plan.granularities}
     ratio = rand[gran] / seq
-    verdict, reason = classify(ratio, alpha, seq_scaling, rand_scaling, info.peak_gbps, results)
+    verdict, reason = classify(ratio, plan.alpha, seq_scaling, rand_scaling, info.peak_gbps,
+                               results, plan.cache_note)
     return ProbeResult(
         device=info.spec, kind=info.kind, name=info.name, peak_gbps=info.peak_gbps,
         seq_gbps=seq, copy_gbps=pick("copy").gbps, rand_gbps=rand, granularity=gran,
-        ratio=ratio, alpha=alpha, verdict=verdict, reason=reason, threads=threads,
+        ratio=ratio, alpha=plan.alpha, verdict=verdict, reason=reason, threads=threads,
         seq_scaling=seq_scaling, rand_scaling=rand_scaling,
         buffer_bytes=results[0].buffer_bytes, measurements=results,
         details=dict(info.details, **results[-1].extra))
+
+
+def probe_device(device: Device, granularities=DEFAULT_GRANULARITIES, alpha=DEFAULT_ALPHA,
+                 threads: int | None = None, decision_granule: int | None = None,
+                 buffer_bytes: int | None = None, reps: int = 5,
+                 progress: Callable[[str, int, int], None] | None = None) -> ProbeResult:
+    """Measure and classify one device (plan_probe, then run_plan)."""
+    return run_plan(plan_probe(device, granularities, alpha, threads, decision_granule,
+                               buffer_bytes, reps), progress)
 
 
 def default_specs() -> list[str]:
@@ -226,12 +359,9 @@ def format_table(results: list[ProbeResult]) -> str:
 
 
 def plot(results: list[ProbeResult], path: str) -> None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as exc:
-        raise BadArgument(f"--plot needs matplotlib ({exc}); pip install 'odma-hw[plot]'") from None
+    """Bandwidth and ratio against granularity, one line per device (check the path up front with
+    plotting.check_plot_path: this only reports an I/O failure of the final write)."""
+    plt = plotting.pyplot()
     fig, (ax_bw, ax_ratio) = plt.subplots(1, 2, figsize=(11, 4.2))
     for r in results:
         gs = sorted(r.rand_gbps)
@@ -251,43 +381,58 @@ def plot(results: list[ProbeResult], path: str) -> None:
     ax_ratio.set_ylabel("random / sequential")
     ax_ratio.set_title("RACM ratio")
     fig.tight_layout()
-    try:
-        fig.savefig(path, dpi=120)
-    except OSError as exc:
-        raise BadArgument(f"cannot write plot {path!r}: {exc.strerror}") from None
-    finally:
-        plt.close(fig)
+    plotting.save(fig, path)
+
+
+def _unique_specs(specs: list[str]) -> list[str]:
+    """Every spec well formed (BadArgument otherwise) and named once."""
+    seen: dict[tuple[str, str], str] = {}
+    for spec in specs:
+        backend, arg = devmod.parse_spec(spec)
+        key = (backend, arg.strip().lower())
+        if key in seen:
+            raise BadArgument(f"--device {spec!r} repeats {seen[key]!r}: name each device once")
+        seen[key] = spec
+    return specs
 
 
 def run_probe(args) -> int:
+    # everything the command line alone can refuse, before any device is opened
     alpha = check_alpha(args.alpha)
-    grans = parse_granularities(args.granularity) if args.granularity else list(DEFAULT_GRANULARITIES)
-    if args.threads is not None and args.threads < 1:
-        raise BadArgument(f"--threads must be >= 1, got {args.threads}")
-    if args.buffer_mib is not None and args.buffer_mib <= 0:
-        raise BadArgument(f"--buffer-mib must be positive, got {args.buffer_mib}")
-    buffer_bytes = int(args.buffer_mib * (1 << 20)) if args.buffer_mib else None
-    if buffer_bytes is not None and max(grans) > buffer_bytes:
-        raise BadArgument(f"granularity {max(grans)} exceeds the {buffer_bytes}-byte buffer")
-    specs = args.device or default_specs()
-    for spec in specs:  # reject a malformed spec before measuring anything
-        devmod.parse_spec(spec)
-    progress = None if args.quiet else _progress_printer(sys.stderr)
-    results = []
-    for spec in specs:
-        with devmod.open(spec) as dev:
-            if buffer_bytes is not None and buffer_bytes > dev.info.free_bytes:
-                raise BadArgument(f"--buffer-mib {args.buffer_mib} exceeds the "
-                                  f"{dev.info.free_bytes >> 20} MiB free on {spec}")
-            threads = args.threads or dev.info.max_threads
-            results.append(probe_device(dev, grans, alpha, threads, args.decision_granularity,
-                                        buffer_bytes, args.reps, progress))
+    grans = (parse_granularities(args.granularity) if args.granularity is not None
+             else list(DEFAULT_GRANULARITIES))
+    decision = (parse_granule(args.decision_granularity) if args.decision_granularity is not None
+                else None)
+    buffer_bytes = None
+    if args.buffer_mib is not None:  # a finite number > 0 (argtypes.positive_float)
+        buffer_bytes = math.floor(args.buffer_mib * MIB)
+        if buffer_bytes < 1:
+            raise BadArgument(f"--buffer-mib {args.buffer_mib:g} is less than one byte")
+        if max(grans) > buffer_bytes:
+            raise BadArgument(f"granularity {max(grans)} exceeds the {buffer_bytes}-byte buffer")
     if args.plot:
-        plot(results, args.plot)
+        plotting.check_plot_path(args.plot)
+    specs = _unique_specs(args.device or default_specs())
+
+    with contextlib.ExitStack() as opened:  # every device closed on every exit, Ctrl-C included
+        # open and plan every device (its memory, granules, threads, cache) before measuring any
+        devs = [opened.enter_context(devmod.open(spec)) for spec in specs]
+        if args.threads is not None and not any(uses_host_threads(d.info) for d in devs):
+            raise BadArgument(f"--threads {args.threads}: none of {', '.join(specs)} runs on host "
+                              f"threads (devices use their own parallelism); drop --threads")
+        plans = [plan_probe(d, grans, alpha, args.threads, decision, buffer_bytes, args.reps)
+                 for d in devs]
+        progress = None if args.quiet else _progress_printer(sys.stderr)
+        results = [run_plan(plan, progress) for plan in plans]
+
+    # the results first: a plot that cannot be written at the end must not lose them
     if args.json:
         print(json.dumps({"schema": SCHEMA, "devices": [r.to_json() for r in results]}, indent=1))
     else:
         print(format_table(results))
+    if args.plot:
+        sys.stdout.flush()
+        plot(results, args.plot)
     return 0
 
 
@@ -325,14 +470,22 @@ def register(sub) -> None:
                    help="host, cuda:N, mlu:N, torch:<device>, emu:<preset> (repeatable)")
     p.add_argument("--granularity", metavar="G,...",
                    help="random-read granules in bytes, powers of two (default 32,64,...,1K,4K)")
-    p.add_argument("--decision-granularity", type=int, metavar="G",
-                   help="granule the verdict is taken at (default: the device's natural granule)")
+    p.add_argument("--decision-granularity", metavar="G",
+                   help="granule the verdict is taken at, a power of two >= 8 such as 64 or 4K "
+                        "(default: the device's natural granule)")
     p.add_argument("--alpha", type=float, default=DEFAULT_ALPHA,
                    help="RACM threshold on random/sequential, in (0, 1) (default 0.5)")
-    p.add_argument("--threads", type=int, help="host threads (default: all cores)")
-    p.add_argument("--buffer-mib", type=float, help="working-set size (default per devices.md rule 1)")
-    p.add_argument("--reps", type=int, default=5, help="timed repetitions after one warm-up (default 5)")
+    p.add_argument("--threads", type=argtypes.positive_int,
+                   help="host threads, at most the CPUs this process may run on (default: all of "
+                        "them); devices other than host use their own parallelism")
+    p.add_argument("--buffer-mib", type=argtypes.positive_float,
+                   help="working-set size in MiB, at least 4 x the device's last-level cache where "
+                        "that is known (default: per device, far above its caches)")
+    p.add_argument("--reps", type=argtypes.positive_int, default=5,
+                   help="timed repetitions after one warm-up (default 5)")
     p.add_argument("--json", action="store_true", help=f"print one JSON object (schema {SCHEMA})")
-    p.add_argument("--plot", metavar="PNG", help="write bandwidth and ratio vs granularity")
+    p.add_argument("--plot", metavar="FILE",
+                   help="write bandwidth and ratio vs granularity (format from the extension, e.g. "
+                        ".png, .svg, .pdf; checked before measuring)")
     p.add_argument("--quiet", action="store_true", help="no progress display")
     p.set_defaults(func=run_probe)

@@ -2,7 +2,8 @@
 
 Four layers, each runs where it can:
 - no driver / stub driver / driver without GPU: everywhere (fake libraries from tests/fakes/);
-- the shipped PTX: assembles with ptxas for sm_75 and sm_90, and is what kernels.cu compiles to;
+- the shipped PTX (native/kernels_ptx.h, generated): assembles with ptxas for sm_75 and sm_90, and
+  is what kernels.cu compiles to;
 - the host-side logic (primary context, argument lists against the PTX signatures, events, error
   reporting) against tests/fakes/fake_cuda.c, a driver model over host memory;
 - the whole path on a real NVIDIA GPU when one is present (skipped otherwise, with the reason).
@@ -23,9 +24,12 @@ from pathlib import Path
 
 import pytest
 
+from odma_hw import native
+
 ROOT = Path(__file__).resolve().parents[1]
 FAKES = ROOT / "tests" / "fakes"
 CUDA_C = ROOT / "native" / "cuda.c"
+PTX_H = ROOT / "native" / "kernels_ptx.h"
 needs_cc = pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler (cc)")
 
 
@@ -84,7 +88,7 @@ def test_missing_driver_is_reported_not_crashed_on(tmp_path):
         print(json.dumps({"init": _init(), "specs": s.specs, "reason": s.reason,
                           "open": _raises(lambda: devices.open("cuda:0"))}))
     """, env_with_libdir(tmp_path))
-    assert out["init"]["status"] == 3 and out["init"]["count"] == 0  # ODMA_ENOLIB
+    assert out["init"]["status"] == native.lib.ODMA_ENOLIB and out["init"]["count"] == 0
     assert out["specs"] == [] and "no NVIDIA driver" in out["reason"]
     assert out["open"].startswith("DeviceUnavailable") and "libcuda" in out["open"]
 
@@ -99,7 +103,7 @@ def test_stub_libcuda_found_by_the_fallback_name_is_reported_as_no_driver(tmp_pa
         print(json.dumps({"init": _init(), "reason": s.reason,
                           "open": _raises(lambda: devices.open("cuda:0"))}))
     """, env_with_libdir(tmp_path))
-    assert out["init"]["status"] == 3  # ODMA_ENOLIB
+    assert out["init"]["status"] == native.lib.ODMA_ENOLIB
     assert out["init"]["msg"] == "stub libcuda: no NVIDIA driver (cuInit: CUDA_ERROR_STUB_LIBRARY)"
     assert "stub libcuda" in out["reason"]
     assert out["open"].startswith("DeviceUnavailable") and "stub" in out["open"]
@@ -113,7 +117,7 @@ def test_toolkit_stub_libcuda_is_reported_as_no_driver():
     if not stubs:
         pytest.skip("this CUDA toolkit ships no stubs/libcuda.so (the fake stub test covers it)")
     out = run("print(json.dumps(_init()))", env_with_libdir(stubs[0]))
-    assert out["status"] == 3 and "stub libcuda" in out["msg"]
+    assert out["status"] == native.lib.ODMA_ENOLIB and "stub libcuda" in out["msg"]
 
 
 @needs_cc
@@ -123,12 +127,11 @@ def test_driver_without_gpu_is_reported_as_no_device(tmp_path):
         s = {b.backend: b for b in devices.discover()}["cuda"]
         print(json.dumps({"init": _init(), "reason": s.reason}))
     """, env_with_libdir(tmp_path, FAKE_CUDA_INIT_RESULT="100"))
-    assert out["init"]["status"] == 4  # ODMA_ENODEV
+    assert out["init"]["status"] == native.lib.ODMA_ENODEV
     assert "no CUDA device" in out["reason"] and "CUDA_ERROR_NO_DEVICE" in out["reason"]
 
 
 def test_argument_errors_are_reported_before_the_driver_is_needed():
-    from odma_hw import native
     from odma_hw.errors import BadArgument
 
     if not native.available():
@@ -140,8 +143,11 @@ def test_argument_errors_are_reported_before_the_driver_is_needed():
         native.call("odma_cuda_free", 0, 0)
     with pytest.raises(BadArgument):  # overlapping copy
         native.call("odma_cuda_copy", 0, 4096, 4000, 200, ffi.NULL)
-    for args in [(4096, 1 << 20, 7, 64, 5), (4096, 1 << 20, 2, 64, 0), (4097, 1 << 20, 0, 64, 5)]:
-        with pytest.raises(BadArgument):  # unknown pattern, zero reps, misaligned buffer
+    too_many = native.lib.ODMA_MAX_REPS + 1
+    for args in [(4096, 1 << 20, 7, 64, 5), (4096, 1 << 20, 2, 64, 0), (4097, 1 << 20, 0, 64, 5),
+                 (4096, 1 << 20, 0, 64, too_many)]:
+        # unknown pattern, zero reps, misaligned buffer, more reps than the one shared limit
+        with pytest.raises(BadArgument):
             native.call("odma_cuda_measure", 0, args[0], args[1], args[2], args[3], args[4], 0, 1,
                         ffi.new("odma_result *"))
 
@@ -149,10 +155,18 @@ def test_argument_errors_are_reported_before_the_driver_is_needed():
 # ----------------------------------------------------------------------------- the shipped PTX
 
 def embedded_ptx() -> str:
-    text = CUDA_C.read_text()
-    block = text[text.index("/* ODMA_PTX_BEGIN */"):text.index("/* ODMA_PTX_END */")]
-    lines = re.findall(r'^\s*"(.*)\\n"', block, flags=re.M)
+    """The PTX text of the string literal in kernels_ptx.h."""
+    lines = re.findall(r'^\s*"(.*)\\n"', PTX_H.read_text(), flags=re.M)
     return "\n".join(ln.replace('\\"', '"').replace("\\\\", "\\") for ln in lines) + "\n"
+
+
+def test_ptx_lives_in_its_generated_header_not_in_cuda_c():
+    header = PTX_H.read_text()
+    assert header.splitlines()[0].startswith("/* kernels_ptx.h - GENERATED by native/regen_ptx.py")
+    assert "do not edit" in header.splitlines()[0]
+    cuda_c = CUDA_C.read_text()
+    assert '#include "kernels_ptx.h"' in cuda_c
+    assert ".visible .entry" not in cuda_c and "ODMA_PTX[] =" not in cuda_c
 
 
 def test_embedded_ptx_has_the_low_isa_header_and_all_kernels():
@@ -182,6 +196,20 @@ def test_embedded_ptx_is_what_kernels_cu_compiles_to():
     proc = subprocess.run([sys.executable, str(ROOT / "native" / "regen_ptx.py"), "--check"],
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None or shutil.which("ptxas") is None,
+                    reason="nvcc/ptxas (CUDA toolkit) not installed")
+def test_regen_check_catches_a_hand_edited_header(tmp_path):
+    # a copy of native/ whose header was edited by hand: --check must fail and say which file
+    for name in ("regen_ptx.py", "kernels.cu", "kernels_ptx.h"):
+        shutil.copy(ROOT / "native" / name, tmp_path / name)
+    edited = tmp_path / "kernels_ptx.h"
+    edited.write_text(edited.read_text().replace(".minnctapersm 4", ".minnctapersm 2", 1))
+    proc = subprocess.run([sys.executable, str(tmp_path / "regen_ptx.py"), "--check"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 1
+    assert "kernels_ptx.h differs" in proc.stdout, proc.stdout + proc.stderr
 
 
 # ----------------------------------------------------------------------------- host-side logic, fake driver

@@ -38,7 +38,7 @@ def test_host_is_discovered_and_describes_this_cpu(dev):
     assert info.name and info.name == host_backend.cpu_model()
     assert info.peak_gbps is None  # DRAM peak is unknowable from inside a VM
     assert info.natural_granule == 64
-    assert info.max_threads == os.cpu_count()
+    assert info.max_threads == len(os.sched_getaffinity(0))  # the CPUs this process may use
     assert 0 < info.free_bytes <= info.total_bytes
     assert dev.alignment == 64
 
@@ -227,6 +227,17 @@ def test_measure_rejects_bad_input(dev, bad):
         dev.measure(pattern, **args)
 
 
+def test_the_python_checks_use_the_shims_limits(dev):
+    # native/odma.h is the one place for these numbers; base.MIN_GRANULE serves the backends
+    # that have no shim (emu, torch) and must agree with it
+    from odma_hw.devices import base
+
+    assert base.MIN_GRANULE == native.lib.ODMA_MIN_GRANULE
+    assert dev.measure_thread_limit == native.lib.ODMA_MAX_THREADS
+    with pytest.raises(BadArgument, match=f"\\[1, {native.lib.ODMA_MAX_REPS}\\]"):
+        dev.measure("read", buffer_bytes=4 * MIB, reps=native.lib.ODMA_MAX_REPS + 1)
+
+
 def test_measure_rejects_a_buffer_larger_than_free_memory(dev):
     with pytest.raises(BadArgument, match="available"):
         dev.measure("read", buffer_bytes=host_backend.mem_available() + (1 << 30))
@@ -263,7 +274,8 @@ def test_shim_failures_surface_as_device_errors(dev, monkeypatch):
 
     def out_of_memory(name, *args):
         if name == "odma_host_alloc":  # what the shim says when mmap fails
-            raise native._ERRORS[2]("mmap of 4194304 bytes failed: Cannot allocate memory")
+            raise native.error_for(native.lib.ODMA_ENOMEM)(
+                "mmap of 4194304 bytes failed: Cannot allocate memory")
         return real(name, *args)
 
     monkeypatch.setattr(host_backend.native, "call", out_of_memory)

@@ -204,6 +204,10 @@ def test_bad_arguments_raise_and_leave_data_unchanged(neuware):
         r["use_after_free"] = _raises(lambda: d.read(b, 0, 1))
         # the shim itself refuses an address the runtime never handed out (no crash)
         r["shim_foreign_free"] = _raises(lambda: native.call("odma_mlu_free", 0, 4096))
+        # and more repetitions than the limit every backend shares (native/odma.h)
+        r["shim_reps_limit"] = _raises(lambda: native.call(
+            "odma_mlu_measure", 0, 4096, 1 << 20, native.lib.ODMA_PAT_READ, 64,
+            native.lib.ODMA_MAX_REPS + 1, 0, 1, native.ffi.new("odma_result *")))
         print(json.dumps(r))
     """, env_for(neuware))
     assert out.pop("unchanged") is True

@@ -327,6 +327,8 @@ BAD_MEASURE = {
     "threads 0": dict(threads=0),
     "threads 257": dict(threads=257),
     "reps 0": dict(reps=0),
+    # one limit for every backend (native/odma.h); the host used to accept ten times more
+    "reps above ODMA_MAX_REPS": dict(reps=lib.ODMA_MAX_REPS + 1, nbytes=4096),
     "granule not a power of two": dict(pattern=RAND, granule=48),
     "granule 0": dict(pattern=RAND, granule=0),
     "granule below 8": dict(pattern=RAND, granule=4),

@@ -1,4 +1,5 @@
-"""The probe's decision rule and the `probe` / `devices` command-line contract."""
+"""The probe's decision rule, its planning (every argument checked before anything is measured)
+and the `probe` / `devices` command-line contract."""
 
 import json
 import os
@@ -9,9 +10,13 @@ import time
 
 import pytest
 
-from odma_hw.devices.base import Measurement
+from odma_hw import cli
+from odma_hw.devices import host as host_backend
+from odma_hw.devices.base import Device, DeviceInfo, Measurement
 from odma_hw.errors import BadArgument
-from odma_hw.probe import classify, parse_granularities
+from odma_hw.probe import classify, format_table, parse_granularities, plan_probe, probe_device
+
+MIB = 1 << 20
 
 
 def run_cli(*args, env=None, timeout=300):
@@ -54,6 +59,90 @@ def test_disagreeing_repetitions_are_inconclusive():
     assert verdict == "inconclusive" and "disagree" in reason
 
 
+def test_a_working_set_that_may_fit_a_cache_is_inconclusive():
+    verdict, reason = classify(0.3, 0.5, {1: 10.0}, {1: 3.0}, None, [m()],
+                               cache_note="the buffer is small")
+    assert verdict == "inconclusive" and reason.startswith("cache: the buffer is small")
+
+
+# --- planning: every argument checked before the first measurement -----------------------------
+class FakeDevice(Device):
+    """A device that records the measurements asked of it and answers fixed bandwidths
+    (random 64 B at 30 % of sequential)."""
+
+    def __init__(self, kind="torch", max_threads=1, details=None, memory=64 << 30):
+        self.info = DeviceInfo(spec=f"fake:{kind}", kind=kind, name="fake", total_bytes=memory,
+                               free_bytes=memory, peak_gbps=None, natural_granule=64,
+                               max_threads=max_threads, details=dict(details or {}))
+        self.measured = []
+
+    def alloc(self, nbytes):
+        raise NotImplementedError
+
+    free = write = read = copy = alloc
+
+    def measure(self, pattern, granule=64, threads=1, *, buffer_bytes=None, reps=5, seed=1):
+        self.measured.append((pattern, granule, threads))
+        size = self.check_measure(pattern, granule, threads, buffer_bytes=buffer_bytes, reps=reps)
+        seconds = 1.0 if pattern != "rand" else 1 / 0.3
+        return Measurement(pattern, granule, threads, size, 1e10, seconds, seconds, seconds, reps,
+                           "fake")
+
+
+def test_more_threads_than_cpus_is_refused_before_measuring_and_says_so():
+    host_like = FakeDevice("host", max_threads=2)
+    with pytest.raises(BadArgument) as err:
+        probe_device(host_like, (64,), threads=1000, buffer_bytes=256 * MIB)
+    assert "threads 1000" in str(err.value) and "2 CPU" in str(err.value)
+    assert "500" not in str(err.value)  # once reported half the number asked for
+    assert host_like.measured == []
+
+
+def test_devices_on_their_own_parallelism_are_measured_with_one_thread():
+    plan = plan_probe(FakeDevice(max_threads=1), (64,), threads=8)
+    assert plan.threads == 1 and {t for _, _, t in plan.steps} == {1}
+
+
+@pytest.mark.parametrize("bad", [dict(decision_granule=0), dict(decision_granule=48),
+                                 dict(granularities=(64, 0)), dict(reps=0), dict(alpha=float("nan")),
+                                 dict(buffer_bytes=0), dict(buffer_bytes=128 << 30)])
+def test_bad_plans_are_refused_before_measuring(bad):
+    dev = FakeDevice()
+    args = dict(granularities=(64,), buffer_bytes=None)
+    args.update(bad)
+    with pytest.raises(BadArgument):
+        probe_device(dev, **args)
+    assert dev.measured == []
+
+
+def test_a_buffer_below_four_times_a_known_cache_is_refused_naming_the_cache():
+    dev = FakeDevice("host", max_threads=2, details={"llc_reported_bytes": 32 * MIB})
+    with pytest.raises(BadArgument) as err:
+        plan_probe(dev, (64,), buffer_bytes=100 * MIB)
+    text = str(err.value)
+    assert "32 MiB last-level cache" in text and "at least 128 MiB" in text
+    assert plan_probe(dev, (64,), buffer_bytes=128 * MIB).cache_note is None
+
+
+def test_a_small_buffer_on_a_device_of_unknown_cache_makes_the_verdict_inconclusive():
+    dev = FakeDevice()  # no cache size; default working set 1 GiB
+    small = probe_device(dev, (64,), buffer_bytes=64 * MIB)
+    assert small.verdict == "inconclusive" and small.reason.startswith("cache:")
+    assert "no cache size" in small.reason and "64 MiB" in small.reason
+    table = format_table([small])
+    assert "inconclusive" in table and "cache:" in table
+    assert probe_device(FakeDevice(), (64,), buffer_bytes=1 << 30).verdict == "racm"
+
+
+def test_default_streaming_buffers_capped_below_the_cache_rule_are_flagged():
+    # 1 GiB of memory, a reported 480 MiB cache: the defaults cannot reach 4 x the cache
+    dev = FakeDevice("host", max_threads=1, details={"llc_reported_bytes": 480 * MIB},
+                     memory=1 << 30)
+    dev.default_buffer_bytes = lambda pattern: 512 * MIB
+    result = probe_device(dev, (64,))
+    assert result.verdict == "inconclusive" and "480 MiB last-level cache" in result.reason
+
+
 @pytest.mark.parametrize("text,expected", [("64", [64]), ("32,64,4K", [32, 64, 4096]),
                                            ("128,32,128", [32, 128])])
 def test_granularity_parsing(text, expected):
@@ -68,6 +157,10 @@ def test_granularity_rejects_malformed(text):
 
 # --- the command line -------------------------------------------------------------------------
 SMALL = ["--buffer-mib", "64", "--reps", "2", "--quiet"]
+EMU = ["--device", "emu:lpddr5-6400"]
+LLC = host_backend.llc_reported_bytes()
+# a host buffer the cache rule accepts on this machine, in MiB
+HOST_MIB = max(256, -(-4 * (LLC or 0) // MIB))
 
 
 @pytest.mark.parametrize("args,needle", [
@@ -81,6 +174,19 @@ SMALL = ["--buffer-mib", "64", "--reps", "2", "--quiet"]
     (["--device", "torch:cpu", "--buffer-mib", "100000000"], "free"),
     (["--device", "torch:cpu", "--buffer-mib", "1", "--granularity", "2K,4M"], "exceeds"),
     (["--device", "emu:no-such-preset"], "no-such-preset"),
+    # each of the following once ended in a traceback, or ran (part of) the probe first: without
+    # --quiet every measurement prints a progress line, so "one line" also means "nothing measured"
+    (["--device", "torch:cpu", "--buffer-mib", "nan"], "finite number"),
+    (["--device", "torch:cpu", "--buffer-mib", "inf"], "finite number"),
+    ([*EMU, "--granularity", ""], "malformed granularity"),
+    ([*EMU, "--decision-granularity", "0"], "power of two"),
+    ([*EMU, "--decision-granularity", "48"], "power of two"),
+    ([*EMU, "--plot", "x.xyz"], "unknown image format 'xyz'"),
+    ([*EMU, "--plot", "/nonexistent/dir/x.png"], "does not exist"),
+    (["--device", "host", "--threads", "1000"], "threads 1000 is more than"),
+    ([*EMU, "--threads", "4"], "none of emu:lpddr5-6400 runs on host threads"),
+    ([*EMU, "--device", "host", "--reps", "20000"], "reps must be an integer in [1, 10000]"),
+    (["--device", "host", *EMU, "--device", "host"], "name each device once"),
 ])
 def test_bad_input_exits_2_with_one_line(args, needle):
     r = run_cli("probe", *args)
@@ -89,6 +195,43 @@ def test_bad_input_exits_2_with_one_line(args, needle):
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and needle in lines[0], r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_every_device_is_validated_before_any_is_measured():
+    # the emulator (1 GiB) cannot hold the buffer; host could, and was once measured first
+    mib = max(2000, HOST_MIB)
+    if mib * MIB > host_backend.mem_available() // 2:
+        pytest.skip(f"needs {mib} MiB of free memory for the host side")
+    r = run_cli("probe", "--device", "host", *EMU, "--buffer-mib", str(mib))
+    assert r.returncode == 2 and r.stdout == ""
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "free on emu:lpddr5-6400" in lines[0], r.stderr
+
+
+@pytest.mark.skipif(not LLC, reason="this machine reports no last-level cache size")
+def test_a_host_buffer_that_fits_the_cache_is_refused_naming_what_was_found():
+    r = run_cli("probe", "--device", "host", "--buffer-mib", "1")
+    assert r.returncode == 2 and r.stdout == ""
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    assert f"{LLC / MIB:g} MiB last-level cache" in lines[0]
+    assert f"at least {4 * LLC / MIB:g} MiB" in lines[0] and "/sys/devices/system/cpu" in lines[0]
+
+
+def test_a_plot_that_cannot_be_written_at_the_end_keeps_the_results(tmp_path, monkeypatch, capsys):
+    import matplotlib.figure
+
+    def disk_full(self, *args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", disk_full)
+    status = cli.main(["probe", *EMU, "--granularity", "64", "--reps", "1", "--quiet",
+                       "--plot", str(tmp_path / "probe.png")])
+    out, err = capsys.readouterr()
+    assert "emu:lpddr5-6400" in out and "verdict" in out  # the table came first
+    assert status == 2  # the --plot argument is what failed, as in replay and simulate
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "cannot write plot" in lines[0] and "No space left" in lines[0]
 
 
 def test_unknown_device_lists_the_known_ones():
@@ -133,10 +276,11 @@ def test_devices_lists_every_backend_with_reason_when_absent():
     assert "torch:cpu" in backends["torch"]["specs"]
 
 
-def test_ctrl_c_stops_cleanly():
+@pytest.mark.parametrize("device,mib", [("torch:cpu", 256), ("host", HOST_MIB)])
+def test_ctrl_c_stops_cleanly(device, mib):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    p = subprocess.Popen([sys.executable, "-m", "odma_hw", "probe", "--device", "torch:cpu",
-                          "--buffer-mib", "256", "--reps", "50"],
+    p = subprocess.Popen([sys.executable, "-m", "odma_hw", "probe", "--device", device,
+                          "--buffer-mib", str(mib), "--reps", "50"],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     # wait until measuring has begun (the progress display prints the first step)
     deadline = time.time() + 60

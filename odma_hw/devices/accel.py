@@ -22,7 +22,7 @@ import functools
 
 from odma_hw import native
 from odma_hw.devices.base import Buffer, DeviceInfo, Measurement
-from odma_hw.devices.native_memory import PATTERN_CODES, NativeMemoryDevice
+from odma_hw.devices.native_memory import NativeMemoryDevice
 from odma_hw.errors import BadArgument, DeviceError, DeviceUnavailable
 
 GIB = 1 << 30
@@ -152,8 +152,8 @@ class NativeAccelDevice(NativeMemoryDevice):
         the device's own parallelism is what is measured (max_threads is 1). `work_bytes`: useful
         bytes per repetition (default: sized per backend, see _default_work)."""
         # threads is accepted for interface compatibility; the device parallelises by itself
-        buffer_bytes = self._measure_args(pattern, granule, threads, reps, seed, buffer_bytes,
-                                          work_bytes, max_threads=1 << 16)
+        buffer_bytes = self.check_measure(pattern, granule, threads, buffer_bytes=buffer_bytes,
+                                          reps=reps, seed=seed, work_bytes=work_bytes)
         if work_bytes is None:
             work_bytes = self._default_work(pattern, granule, buffer_bytes)
 
@@ -161,7 +161,7 @@ class NativeAccelDevice(NativeMemoryDevice):
         addr = self._alloc_raw(buffer_bytes)
         try:
             native.call(self._fn("measure"), self._ordinal, addr, buffer_bytes,
-                        PATTERN_CODES[pattern], granule, reps, work_bytes, seed, out)
+                        native.PATTERN_CODES[pattern], granule, reps, work_bytes, seed, out)
         finally:  # also on KeyboardInterrupt: the buffer never outlives the call
             self._live.release(addr)
         if out.best_s <= 0:
@@ -200,11 +200,11 @@ def device_count(prefix: str) -> tuple[int, str | None]:
     """(number of devices, None) or (0, why none): never raises."""
     if not native.available():
         return 0, native.IMPORT_ERROR
-    ffi, _ = native.require()
+    ffi, lib = native.require()
     count = ffi.new("int *")
     status, msg = native.status_of(f"odma_{prefix}_init", count)
-    if status != 0:
-        return 0, msg or native.STATUS_NAMES.get(status, "unavailable")
+    if status != lib.ODMA_OK:
+        return 0, msg or native.status_name(status)
     if count[0] <= 0:
         return 0, f"no {BACKEND_NAME[prefix]} device found"
     return int(count[0]), None

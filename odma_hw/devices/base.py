@@ -11,7 +11,16 @@ import abc
 import dataclasses
 from typing import Any
 
+from odma_hw.errors import BadArgument
+
 PATTERNS = ("read", "copy", "rand")
+# smallest random-access granule any backend measures (the native shim's ODMA_MIN_GRANULE)
+MIN_GRANULE = 8
+
+
+def is_int(x) -> bool:
+    """An int that is not a bool (True is not a size)."""
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 @dataclasses.dataclass
@@ -65,7 +74,8 @@ class DeviceInfo:
     free_bytes: int
     peak_gbps: float | None  # None when the backend cannot know it (host DRAM inside a VM)
     natural_granule: int     # the granule the RACM verdict is taken at (64 host/MLU, 32 CUDA)
-    max_threads: int         # host threads a measurement may use (1 for devices)
+    max_threads: int         # host CPUs a measurement can use (1 for devices, which use their own
+                             # parallelism)
     details: dict = dataclasses.field(default_factory=dict)
 
 
@@ -111,6 +121,31 @@ class Device(abc.ABC):
         """Working-set size per devices.md rule 1; backends override."""
         return 1 << 30
 
+    def check_measure(self, pattern: str, granule: int = 64, threads: int = 1, *,
+                      buffer_bytes: int | None = None, reps: int = 5) -> int:
+        """Raise BadArgument, before anything is allocated or timed, for what measure() would
+        refuse with these arguments; return the buffer size measure() would use. This default
+        checks what every backend shares (a known pattern, a power-of-two granule >= 8 bytes that
+        fits the buffer, threads and reps >= 1, a buffer no larger than the device's memory);
+        backends with rules of their own override it and call it from measure()."""
+        if pattern not in PATTERNS:
+            raise BadArgument(f"unknown pattern {pattern!r}: expected one of {', '.join(PATTERNS)}")
+        if not is_int(threads) or threads < 1:
+            raise BadArgument(f"threads must be a positive integer, got {threads!r}")
+        if not is_int(reps) or reps < 1:
+            raise BadArgument(f"reps must be a positive integer, got {reps!r}")
+        size = self.default_buffer_bytes(pattern) if buffer_bytes is None else buffer_bytes
+        if not is_int(size) or size <= 0:
+            raise BadArgument(f"buffer size must be a positive integer, got {size!r}")
+        memory = self.info.free_bytes or self.info.total_bytes
+        if memory and size > memory:
+            raise BadArgument(f"a measurement buffer of {size} bytes is larger than the {memory} "
+                              f"bytes free on {self.spec}")
+        if not is_int(granule) or granule < MIN_GRANULE or granule & (granule - 1) or granule > size:
+            raise BadArgument(f"granularity must be a power of two in [{MIN_GRANULE}, {size}] "
+                              f"(the buffer), got {granule!r}")
+        return size
+
     def close(self) -> None:
         """Release whatever the device holds (idempotent)."""
 
@@ -122,8 +157,6 @@ class Device(abc.ABC):
 
     # shared argument checks, so every backend rejects the same things the same way
     def _check_range(self, buf: Buffer, offset: int, nbytes: int) -> None:
-        from odma_hw.errors import BadArgument
-
         if buf.device is not self:
             raise BadArgument(f"buffer belongs to {buf.device.spec}, not {self.spec}")
         if buf.nbytes == 0:

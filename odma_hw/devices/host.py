@@ -15,10 +15,9 @@ import time
 
 from odma_hw import native
 from odma_hw.devices.base import Buffer, DeviceInfo, Measurement
-from odma_hw.devices.native_memory import PATTERN_CODES, NativeMemoryDevice
+from odma_hw.devices.native_memory import NativeMemoryDevice
 from odma_hw.errors import BadArgument, DeviceError
 
-MAX_THREADS = 256            # the shim's limit
 GIB = 1 << 30
 HUGE_PAGE = 2 << 20
 # Random reads: 1 GiB on huge pages (devices.md rule 1; larger footprints measure the TLB).
@@ -43,6 +42,15 @@ def mem_available() -> int:
     except OSError:
         pass
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on: its affinity mask (a container's or taskset's cpuset), which
+    can be fewer than os.cpu_count() reports for the whole machine."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 def mem_total() -> int:
@@ -111,8 +119,10 @@ class HostDevice(NativeMemoryDevice):
     def __init__(self):
         ffi, lib = native.require()
         self._ffi, self._lib = ffi, lib
+        # more threads than CPUs are allowed (and recorded as oversubscribed), up to the shim's limit
+        self.measure_thread_limit = lib.ODMA_MAX_THREADS
         self._cpu = cpu_model()
-        threads = os.cpu_count() or 1
+        threads = usable_cpus()
         self.info = DeviceInfo(
             spec="host", kind="host", name=self._cpu, total_bytes=mem_total(),
             free_bytes=mem_available(), peak_gbps=None, natural_granule=64,
@@ -122,7 +132,7 @@ class HostDevice(NativeMemoryDevice):
 
     # -- memory ---------------------------------------------------------------------------------
     def _threads_for_touch(self) -> int:
-        return max(1, min(self.info.max_threads, MAX_THREADS))
+        return max(1, min(self.info.max_threads, self.measure_thread_limit))
 
     def free_bytes(self) -> int:
         return mem_available()
@@ -179,8 +189,8 @@ class HostDevice(NativeMemoryDevice):
         freed before returning (also on error or KeyboardInterrupt). `granule` matters for 'rand'
         only but is validated for every pattern. `work_bytes`: useful bytes per repetition
         (default: one pass for read/copy, 256 MiB of granules for rand)."""
-        buffer_bytes = self._measure_args(pattern, granule, threads, reps, seed, buffer_bytes,
-                                          work_bytes, MAX_THREADS)
+        buffer_bytes = self.check_measure(pattern, granule, threads, buffer_bytes=buffer_bytes,
+                                          reps=reps, seed=seed, work_bytes=work_bytes)
         if work_bytes is None:
             work_bytes = RAND_WORK_BYTES if pattern == "rand" else 0
 
@@ -192,7 +202,7 @@ class HostDevice(NativeMemoryDevice):
             huge = ffi.new("size_t *")
             native.call("odma_host_huge_bytes", ptr[0], buffer_bytes, huge)
             out = ffi.new("odma_result *")
-            native.call("odma_host_measure", ptr[0], buffer_bytes, PATTERN_CODES[pattern],
+            native.call("odma_host_measure", ptr[0], buffer_bytes, native.PATTERN_CODES[pattern],
                         granule, threads, reps, work_bytes, seed, out)
         finally:  # also on KeyboardInterrupt: the buffer never outlives the call
             if ptr[0] != ffi.NULL:

@@ -10,15 +10,9 @@ import threading
 import weakref
 from typing import Callable
 
-from odma_hw.devices.base import PATTERNS, Buffer, Device
+from odma_hw import native
+from odma_hw.devices.base import PATTERNS, Buffer, Device, is_int
 from odma_hw.errors import BadArgument
-
-MIN_GRANULE = 8
-PATTERN_CODES = {"read": 0, "copy": 1, "rand": 2}  # ODMA_PAT_* in native/odma.h
-
-
-def is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
 
 
 class LiveBuffers:
@@ -65,6 +59,9 @@ class NativeMemoryDevice(Device):
     __init__ and provide _alloc_raw(nbytes) -> addr (which must add it to self._live) and
     free_bytes() (None when unknown)."""
 
+    #: the most `threads` measure() accepts (host: the shim's limit; devices ignore the value)
+    measure_thread_limit: int = 1 << 16
+
     def _init_memory(self, free_fn: Callable[[int, int], None]) -> None:
         self._closed = False
         self._live = LiveBuffers(free_fn)
@@ -108,17 +105,20 @@ class NativeMemoryDevice(Device):
             raise BadArgument(f"{what} of {nbytes} bytes is larger than the {free} bytes available "
                               f"on {self.spec}")
 
-    def _measure_args(self, pattern, granule, threads, reps, seed, buffer_bytes, work_bytes,
-                      max_threads: int) -> int:
-        """Validate measure()'s arguments the same way on every native device; returns the
-        buffer size to use."""
+    def check_measure(self, pattern: str, granule: int = 64, threads: int = 1, *,
+                      buffer_bytes: int | None = None, reps: int = 5, seed: int = 1,
+                      work_bytes: int | None = None) -> int:
+        """measure()'s checks, the same on every native device, against the shim's own limits
+        (ODMA_MAX_REPS, ODMA_MIN_GRANULE); returns the buffer size measure() uses."""
+        _, lib = native.require()
         self._check_open()
         if pattern not in PATTERNS:
             raise BadArgument(f"unknown pattern {pattern!r}: expected one of {', '.join(PATTERNS)}")
-        if not is_int(threads) or not 1 <= threads <= max_threads:
-            raise BadArgument(f"threads must be an integer in [1, {max_threads}], got {threads!r}")
-        if not is_int(reps) or not 1 <= reps <= 10000:
-            raise BadArgument(f"reps must be an integer in [1, 10000], got {reps!r}")
+        limit = self.measure_thread_limit
+        if not is_int(threads) or not 1 <= threads <= limit:
+            raise BadArgument(f"threads must be an integer in [1, {limit}], got {threads!r}")
+        if not is_int(reps) or not 1 <= reps <= lib.ODMA_MAX_REPS:
+            raise BadArgument(f"reps must be an integer in [1, {lib.ODMA_MAX_REPS}], got {reps!r}")
         if not is_int(seed) or not 0 <= seed < 1 << 64:
             raise BadArgument(f"seed must be an integer in [0, 2**64), got {seed!r}")
         if buffer_bytes is None:
@@ -126,9 +126,9 @@ class NativeMemoryDevice(Device):
         elif not is_int(buffer_bytes) or buffer_bytes < 64:
             raise BadArgument(f"buffer size must be an integer >= 64, got {buffer_bytes!r}")
         self._check_size_fits(buffer_bytes, "a measurement buffer")
-        if not is_int(granule) or granule < MIN_GRANULE or granule & (granule - 1) \
+        if not is_int(granule) or granule < lib.ODMA_MIN_GRANULE or granule & (granule - 1) \
                 or granule > buffer_bytes:
-            raise BadArgument(f"granularity must be a power of two in [{MIN_GRANULE}, "
+            raise BadArgument(f"granularity must be a power of two in [{lib.ODMA_MIN_GRANULE}, "
                               f"{buffer_bytes}] (the buffer), got {granule!r}")
         if work_bytes is not None and (not is_int(work_bytes) or work_bytes < 0):
             raise BadArgument(f"work_bytes must be a non-negative integer, got {work_bytes!r}")
