@@ -29,16 +29,17 @@ def run(spec, requests=1500, **kw):
        gmul=st.sampled_from([1, 2, 4, 8]), write_ratio=st.sampled_from([0.0, 0.2, 0.5, 1.0]),
        amap=st.sampled_from(["bg", "rbc", "xor"]), refresh=st.sampled_from(["allbank", "perbank", "none"]),
        page=st.sampled_from(["open", "closed"]), sched=st.sampled_from(["frfcfs", "fcfs"]),
-       queue=st.sampled_from([1, 4, 32]), wck=st.booleans(), seed=st.integers(0, 1000),
-       small_footprint=st.booleans())
+       queue=st.sampled_from([1, 4, 32]), unit=st.sampled_from(["burst", "access"]),
+       wck=st.booleans(), seed=st.integers(0, 1000), small_footprint=st.booleans())
 def test_every_recorded_command_obeys_every_timing_rule(spec, pattern, gmul, write_ratio, amap, refresh,
-                                                        page, sched, queue, wck, seed, small_footprint):
+                                                        page, sched, queue, unit, wck, seed,
+                                                        small_footprint):
     if refresh == "perbank" and spec in NO_PERBANK:
         refresh = "none"
     g = device_spec(spec).channel.burst_bytes * gmul
     s, d = run(spec, pattern=pattern, granularity=g, write_ratio=write_ratio, address_map_name=amap,
-               refresh=refresh, page_policy=page, scheduler=sched, queue=queue, wck_always_on=wck,
-               seed=seed, footprint=(1 << 20) if small_footprint else None)
+               refresh=refresh, page_policy=page, scheduler=sched, queue=queue, queue_unit=unit,
+               wck_always_on=wck, seed=seed, footprint=(1 << 20) if small_footprint else None)
     assert len(s.log) < 200_000  # the whole run was recorded
     errors = check(s.log, d, refresh=refresh, wck_always_on=wck,
                    expected_bursts=s.requests * gmul)

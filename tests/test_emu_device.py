@@ -6,6 +6,7 @@ import pytest
 
 from odma_hw import devices
 from odma_hw.devices import emu as emu_backend
+from odma_hw.emu.specs import PRESETS, device_spec
 from odma_hw.errors import BadArgument
 
 
@@ -24,7 +25,18 @@ def test_discover_lists_every_preset():
 def test_info(dev):
     i = dev.info
     assert i.kind == "emu" and i.peak_gbps == pytest.approx(12.8)
-    assert i.natural_granule == 32 and i.max_threads == 1 and i.total_bytes == 1 << 30
+    assert i.max_threads == 1 and i.total_bytes == 1 << 30
+
+
+@pytest.mark.parametrize("preset", list(PRESETS))
+def test_every_preset_is_judged_at_64B_or_its_burst(preset):
+    """The decision granule is the 64 B line consumers request (the host and MLU backends'
+    granule too), or the channel's burst where larger: never a lone 32 B burst."""
+    d = devices.open(f"emu:{preset}")
+    try:
+        assert d.info.natural_granule == max(64, device_spec(preset).channel.burst_bytes) == 64
+    finally:
+        d.close()
 
 
 def test_bytes_are_real_and_copies_take_model_time(dev):
@@ -77,3 +89,14 @@ def test_measure_shows_random_access_penalty(dev):
 def test_unknown_preset():
     with pytest.raises(BadArgument, match="unknown emulator preset"):
         devices.open("emu:nope")
+
+
+@pytest.mark.parametrize("preset", ["ddr5-3200", "lpddr5-6400-8b"])
+def test_a_granule_below_the_burst_moves_a_whole_burst(preset):
+    """`odma-hw probe` sweeps from 32 B; on a 64 B-burst memory each 32 B read still moves a
+    64 B burst, so it delivers exactly half the bytes of a 64 B read in the same time."""
+    with devices.open(f"emu:{preset}") as d:
+        r32, r64 = d.measure("rand", 32), d.measure("rand", 64)
+        assert r32.gbps == pytest.approx(r64.gbps / 2)
+        with pytest.raises(BadArgument, match="neither a multiple nor a divisor"):
+            d.measure("rand", 48)

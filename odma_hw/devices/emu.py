@@ -27,6 +27,15 @@ MEASURE_BURSTS_PER_CHANNEL = 1 << 16
 COPY_TILE = 1024  # the streaming copier reads a tile, then writes it
 
 
+def natural_granule(burst_bytes: int) -> int:
+    """The granule an emulated memory is judged at: 64 B, or the channel's burst where that is
+    larger. 64 B is the line the consumers of every one of these memories request (a CPU cache
+    line, a GPU L2 fetch of two 32 B sectors, a DMA descriptor) and the granule of the host and
+    MLU backends, so a preset and the real device it stands for are judged at the same granule;
+    a 32 B burst (LPDDR5 BL16 x16, HBM2 BL4) is never requested alone."""
+    return max(64, burst_bytes)
+
+
 def discover():
     return ["emu:" + name for name in PRESETS], None
 
@@ -57,12 +66,12 @@ class EmuDevice(Device):
             name=f"{ch.name}" + (f" x {self.dev.channels} channels" if self.dev.channels > 1 else "")
             + " (emulated)",
             total_bytes=total, free_bytes=total, peak_gbps=self.dev.peak_gbps,
-            # the device's access granule: one burst (32 B for LPDDR5 BL16 x16, devices.md rule 7)
-            natural_granule=ch.burst_bytes, max_threads=1,
+            natural_granule=natural_granule(ch.burst_bytes), max_threads=1,
             details={"preset": self.preset, "channels": self.dev.channels,
                      "interleave_bytes": self.dev.interleave_bytes,
                      "burst_bytes": ch.burst_bytes, "standard": ch.standard,
-                     "source": ch.source, "timing": "odma_hw.emu engine (FR-FCFS, queue 32)"})
+                     "source": ch.source,
+                     "timing": "odma_hw.emu engine (FR-FCFS, 32-burst queues)"})
 
     # -- memory ---------------------------------------------------------------------------------
     def alloc(self, nbytes: int) -> Buffer:
@@ -127,13 +136,13 @@ class EmuDevice(Device):
         return self.copy_seconds(src.handle + src_offset, dst.handle + dst_offset, nbytes)
 
     def copy_seconds(self, src_addr: int, dst_addr: int, nbytes: int) -> float:
-        """Engine time of a streaming copy: tiles of COPY_TILE bytes read (64 B requests) then
+        """Engine time of a streaming copy: tiles of COPY_TILE bytes read (natural-granule requests) then
         written. Copies longer than COPY_SIM_BYTES simulate a prefix and scale linearly."""
         import numpy as np
 
         from odma_hw.emu.traces import Trace
 
-        g = max(64, self.dev.channel.burst_bytes)
+        g = natural_granule(self.dev.channel.burst_bytes)
         sim = min(nbytes, COPY_SIM_BYTES)
         sim = max(g, sim // g * g)
         offs = np.arange(0, sim, g, dtype=np.int64)
@@ -155,28 +164,31 @@ class EmuDevice(Device):
                 buffer_bytes: int | None = None, reps: int = 5, seed: int = 1) -> Measurement:
         """Modelled sustained bandwidth. The engine is deterministic for a given trace, so one
         simulation stands for every repetition (reps is reported as 1). Concurrency is the
-        controller's queue (32 requests in flight), not host threads."""
+        controller's queues (32 bursts per direction), not host threads. A granule below the
+        burst still moves a whole burst per request: the bytes counted are the granule's."""
         if pattern not in PATTERNS:
             raise BadArgument(f"unknown pattern {pattern!r}: expected one of {', '.join(PATTERNS)}")
         burst = self.dev.channel.burst_bytes
-        if not isinstance(granule, int) or granule < burst or granule % burst:
-            raise BadArgument(f"granularity {granule} is not a multiple of the {burst}-byte burst "
-                              f"of {self.spec}")
+        if (not isinstance(granule, int) or granule <= 0
+                or (granule % burst if granule >= burst else burst % granule)):
+            raise BadArgument(f"granularity {granule} is neither a multiple nor a divisor of the "
+                              f"{burst}-byte burst of {self.spec}")
+        moved = max(granule, burst)
         fp = self.default_buffer_bytes(pattern) if buffer_bytes is None else int(buffer_bytes)
         if fp < granule or fp > self.dev.total_bytes:
             raise BadArgument(f"buffer of {fp} bytes does not fit {self.spec} "
                               f"({self.dev.total_bytes} bytes) or is below the granule")
         bursts = MEASURE_BURSTS_PER_CHANNEL * min(self.dev.channels, 8)
-        n = max(1024, bursts // (granule // burst))
+        n = max(1024, bursts // (moved // burst))
         if pattern == "copy":
             half = fp // 2 // 4096 * 4096 or granule
             nbytes = min(half, n * granule // 2)
             secs = self.copy_seconds(0, half, nbytes)
             useful, extra = 2 * nbytes, {"copied_bytes": nbytes}
         else:
-            s = simulate(self.preset, "seq" if pattern == "read" else "rand", granule, n,
+            s = simulate(self.preset, "seq" if pattern == "read" else "rand", moved, n,
                          footprint=fp, seed=seed)
-            secs, useful = s.simulated_ns * 1e-9, s.bytes
+            secs, useful = s.simulated_ns * 1e-9, s.requests * granule
             extra = {"efficiency": s.efficiency, "row_hit_rate": s.row_hit_rate,
                      "requests": s.requests, "wall_seconds": s.wall_seconds}
         return Measurement(pattern=pattern, granule=granule, threads=1, buffer_bytes=fp,

@@ -34,7 +34,17 @@ def register(subparsers) -> None:
     p.add_argument("--map", default="bg", choices=("bg", "rbc", "xor"),
                    help="address map: bank-group interleaving, row-bank-column, XOR hashing")
     p.add_argument("--queue", type=int, default=32, metavar="DEPTH",
-                   help="controller queue depth per direction (default 32)")
+                   help="controller queue entries per direction (default 32)")
+    p.add_argument("--queue-unit", default="burst", choices=("burst", "access"),
+                   help="what one queue entry holds: one burst (default, as gem5 and "
+                        "Ramulator count) or one access, a request's bursts in one row (up "
+                        "to 64 B with the bg and xor maps, a page with rbc)")
+    p.add_argument("--write-high", type=float, default=0.8, metavar="F",
+                   help="start draining writes above this fraction of the write queue "
+                        "(default 0.8)")
+    p.add_argument("--write-low", type=float, default=0.2, metavar="F",
+                   help="stop draining writes below this fraction of the write queue "
+                        "(default 0.2; 0 drains it empty)")
     p.add_argument("--scheduler", default="frfcfs", choices=("frfcfs", "fcfs"))
     p.add_argument("--channels", type=int, default=None, metavar="N",
                    help="channels (default: the preset's)")
@@ -45,8 +55,9 @@ def register(subparsers) -> None:
                    help="keep WCK running (no CAS sync commands)")
     p.add_argument("--footprint", default=None, metavar="BYTES",
                    help="address range of generated traffic (default: the whole device)")
-    p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--threads", type=int, default=None, help="threads for multi-channel runs")
+    p.add_argument("--seed", type=int, default=1, help="random seed, >= 0 (default 1)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="threads for multi-channel runs, >= 1 (default: all cores)")
     p.add_argument("--trace", default=None, metavar="FILE",
                    help="text trace: one 'ADDRESS R|W [SIZE]' per line (replaces --pattern)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -61,6 +72,36 @@ def _int(text: str, what: str) -> int:
     if value <= 0:
         raise BadArgument(f"{what} must be positive, not {value}")
     return value
+
+
+class _Progress:
+    """How far a long run is, on stderr: a first line once the arguments are accepted, then the
+    timing run's progress, one line updated in place on a terminal (each percent), otherwise one
+    line per tenth of the accesses."""
+
+    def __init__(self, stream, spec: str):
+        self.stream = stream
+        self.spec = spec
+        self.tty = stream.isatty()
+        self.shown = -1  # the last percent (terminal) or tenth (otherwise) shown
+
+    def __call__(self, stage: str, done: int, total: int) -> None:
+        if stage == "trace":
+            print(f"emulating {total} requests on {self.spec} ...", file=self.stream, flush=True)
+            return
+        percent = 100 * done // max(1, total)
+        mark = percent if self.tty else percent // 10
+        if mark > self.shown:
+            self.shown = mark
+            text = f"  timing: {percent} % of {total} accesses"
+            if self.tty:
+                print("\r" + text, end="", file=self.stream, flush=True)
+            else:
+                print(text, file=self.stream, flush=True)
+
+    def close(self) -> None:
+        if self.tty and self.shown >= 0:
+            print(file=self.stream, flush=True)
 
 
 def run(args) -> int:
@@ -81,17 +122,20 @@ def compute(args) -> dict:
     wr = args.write_ratio
     if wr is not None and not 0.0 <= wr <= 1.0:
         raise BadArgument(f"--write-ratio must be in [0, 1], not {wr}")
-    if args.channels is not None and args.channels < 1:
-        raise BadArgument(f"--channels must be positive, not {args.channels}")
-    if requests > 2_000_000 and not args.json:
-        print(f"emulating {requests} requests on {args.spec} ...", file=sys.stderr, flush=True)
-    stats = simulate(args.spec, args.pattern, granularity, requests,
-                     write_ratio=0.0 if wr is None else wr, refresh=args.refresh, mode=args.mode,
-                     bl=args.bl, address_map_name=args.map, queue=args.queue,
-                     channels=args.channels, page_policy=args.page_policy,
-                     scheduler=args.scheduler, footprint=footprint, seed=args.seed,
-                     trace=args.trace, wck_always_on=args.wck_always_on,
-                     interleave=args.interleave, threads=args.threads)
+    progress = _Progress(sys.stderr, args.spec) if requests > 2_000_000 and not args.json else None
+    try:
+        stats = simulate(args.spec, args.pattern, granularity, requests,
+                         write_ratio=0.0 if wr is None else wr, refresh=args.refresh,
+                         mode=args.mode, bl=args.bl, address_map_name=args.map,
+                         queue=args.queue, queue_unit=args.queue_unit,
+                         write_high=args.write_high, write_low=args.write_low,
+                         channels=args.channels, page_policy=args.page_policy,
+                         scheduler=args.scheduler, footprint=footprint, seed=args.seed,
+                         trace=args.trace, wck_always_on=args.wck_always_on,
+                         interleave=args.interleave, threads=args.threads, progress=progress)
+    finally:
+        if progress is not None:
+            progress.close()
     return {"schema": SCHEMA, **stats.as_dict()}
 
 

@@ -97,17 +97,31 @@ def _locate(a, kind, nch, gran_shift, burst_shift, chunk_bits, bg_bits, ba_bits,
     return ch, (bg << ba_bits) + ba, row
 
 
+def segment_bytes(amap: AddressMap) -> int:
+    """Channel, bank and row are constant over each aligned piece of this many bytes: the
+    smaller of the channel granule and the run of bursts that share a row (a column chunk, or
+    the whole page for the row-bank-column map)."""
+    run_bits = amap.col_bits if amap.kind == MAP_RBC else amap.chunk_bits
+    return min(amap.interleave, amap.burst_bytes << run_bits)
+
+
+def max_accesses(amap: AddressMap, nbytes: int, aligned: bool) -> int:
+    """The most accesses one request of `nbytes` bytes becomes: one per segment it touches
+    (`aligned`: the request starts on a multiple of its power-of-two size)."""
+    seg = segment_bytes(amap)
+    pieces = -(-nbytes // seg)
+    if aligned and (nbytes % seg == 0 or seg % nbytes == 0):
+        return pieces
+    return pieces + 1
+
+
 @njit(cache=True)
 def _decompose(addr, size, write, kind, nch, gran_shift, burst_shift, chunk_bits, bg_bits,
-               ba_bits, col_bits, row_bits, count_only, offsets, out_bank, out_row, out_bursts,
-               out_write, counts):
-    # Channel, bank and row are constant over a `seg`-aligned piece of the address space: the
-    # smaller of the channel granule and the run of bursts that share a row (a column chunk,
-    # or the whole page for the row-bank-column map). Step piece by piece, not burst by burst.
-    run_bits = col_bits if kind == MAP_RBC else chunk_bits
-    seg_shift = min(gran_shift, burst_shift + run_bits)
+               ba_bits, col_bits, row_bits, seg_shift, count_only, fill, out_bank, out_row,
+               out_bursts, out_write, counts):
+    # Step segment by segment (segment_bytes()), not burst by burst. count_only: add each
+    # channel's accesses to `counts`; else write them at fill[channel] onwards and advance fill.
     seg = np.int64(1) << seg_shift
-    fill = offsets.copy()
     burst_mask = (np.int64(1) << burst_shift) - 1
     for i in range(addr.shape[0]):
         # the device moves whole bursts: an unaligned request costs every burst it touches
@@ -136,21 +150,35 @@ def _decompose(addr, size, write, kind, nch, gran_shift, burst_shift, chunk_bits
             a = nxt
 
 
+# Requests per call of the Numba pass: each call takes well under 0.1 s, so Ctrl-C during the
+# decomposition of a very long trace is honoured at once (it is raised between calls).
+_CHUNK = 1 << 22
+
+
 def decompose(amap: AddressMap, addr: np.ndarray, size: np.ndarray, write: np.ndarray):
     """Requests (byte address, size, is-write) -> CSR per channel: offsets (channels + 1) and
     access arrays bank, row, bursts, write (channel-major, trace order within a channel)."""
     args = (amap.kind, amap.channels, _log2(amap.interleave), _log2(amap.burst_bytes),
-            amap.chunk_bits, amap.bg_bits, amap.ba_bits, amap.col_bits, amap.row_bits)
+            amap.chunk_bits, amap.bg_bits, amap.ba_bits, amap.col_bits, amap.row_bits,
+            _log2(segment_bytes(amap)))
     counts = np.zeros(amap.channels, np.int64)
     z32 = np.zeros(0, np.int32)
     z8 = np.zeros(0, np.uint8)
+    n = addr.shape[0]
+    for lo in range(0, n, _CHUNK):
+        hi = min(n, lo + _CHUNK)
+        _decompose(addr[lo:hi], size[lo:hi], write[lo:hi], *args, True, counts, z32, z32, z32,
+                   z8, counts)
     offsets = np.zeros(amap.channels + 1, np.int64)
-    _decompose(addr, size, write, *args, True, offsets, z32, z32, z32, z8, counts)
     offsets[1:] = np.cumsum(counts)
     total = int(offsets[-1])
     bank = np.empty(total, np.int32)
     row = np.empty(total, np.int32)
     bursts = np.empty(total, np.int32)
     wr = np.empty(total, np.uint8)
-    _decompose(addr, size, write, *args, False, offsets, bank, row, bursts, wr, counts)
+    fill = offsets[:-1].copy()
+    for lo in range(0, n, _CHUNK):
+        hi = min(n, lo + _CHUNK)
+        _decompose(addr[lo:hi], size[lo:hi], write[lo:hi], *args, False, fill, bank, row,
+                   bursts, wr, counts)
     return offsets, bank, row, bursts, wr

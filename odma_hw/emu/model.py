@@ -3,21 +3,25 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
+from fractions import Fraction
 
 import numba
 import numpy as np
 
 from odma_hw.emu import engine as E
-from odma_hw.emu.mapping import address_map, decompose
+from odma_hw.emu.mapping import address_map, decompose, max_accesses, segment_bytes
 from odma_hw.emu.specs import DeviceSpec, derive, device_spec
-from odma_hw.emu.traces import PATTERNS, Trace, generate, read_trace_file
+from odma_hw.emu.traces import PATTERNS, Trace, check_shape, generate, read_trace_file
 from odma_hw.errors import BadArgument
 
 REFRESH = {"allbank": E.REF_ALLBANK, "perbank": E.REF_PERBANK, "none": E.REF_NONE}
 PAGE = {"open": E.PAGE_OPEN, "closed": E.PAGE_CLOSED}
 SCHEDULERS = {"frfcfs": E.SCHED_FRFCFS, "fcfs": E.SCHED_FCFS}
+# EmuStats.commands: engine command counts, in the order the CLI prints them
+_COMMAND_STATS = ("act", "pre", "rd", "wr", "cas", "auto_pre", "preab", "refab", "refpb")
 
 
 @dataclasses.dataclass
@@ -58,8 +62,19 @@ class EmuStats:
         return d
 
 
+QUEUE_UNITS = {"burst": E.QUEUE_BURSTS, "access": E.QUEUE_ACCESSES}
+
+# Memory a run needs, per request and per access: a generator's peak (addresses, sizes and write
+# flags with their temporaries; kvscan's is the highest, 41 B), what a trace keeps (8 + 8 + 1)
+# and the decomposition's access arrays (bank, row, bursts as int32, write as uint8).
+_GENERATOR_BYTES = 48
+_TRACE_BYTES = 17
+_ACCESS_BYTES = 13
+
+
 def _options(dev: DeviceSpec, refresh: str, page_policy: str, scheduler: str, queue: int,
-             wck_always_on: bool) -> np.ndarray:
+             wck_always_on: bool, *, queue_unit: str = "burst", write_high: float = 0.8,
+             write_low: float = 0.2) -> np.ndarray:
     if refresh not in REFRESH:
         raise BadArgument(f"unknown refresh mode {refresh!r}: expected allbank, perbank or none")
     if refresh == "perbank" and derive(dev.channel).nRFCpb == 0:
@@ -68,77 +83,126 @@ def _options(dev: DeviceSpec, refresh: str, page_policy: str, scheduler: str, qu
         raise BadArgument(f"unknown page policy {page_policy!r}: expected open or closed")
     if scheduler not in SCHEDULERS:
         raise BadArgument(f"unknown scheduler {scheduler!r}: expected frfcfs or fcfs")
-    if not isinstance(queue, (int, np.integer)) or not 1 <= queue <= 4096:
+    if not _is_int(queue) or not 1 <= queue <= 4096:
         raise BadArgument(f"queue depth must be an integer in [1, 4096], not {queue!r}")
-    # write draining: start at 80 % of the write queue, stop at 20 % (DRAMSys/Ramulator habit)
-    high = max(1, math.ceil(0.8 * queue))
-    low = min(high - 1, int(0.2 * queue))
+    if queue_unit not in QUEUE_UNITS:
+        raise BadArgument(f"unknown queue unit {queue_unit!r}: expected burst or access")
+    for name, x in (("write high watermark", write_high), ("write low watermark", write_low)):
+        if isinstance(x, bool) or not isinstance(x, (int, float)) or not 0.0 <= x <= 1.0:
+            raise BadArgument(f"{name} must be a fraction of the write queue in [0, 1], not {x!r}")
+    if not write_low < write_high:
+        raise BadArgument(f"write low watermark {write_low} must be below the high watermark "
+                          f"{write_high}")
+    # Write draining starts when the write queue holds more than write_high x depth entries and
+    # stops when it holds fewer than write_low x depth (Ramulator's and DRAMSys's convention);
+    # the engine compares counts: >= high entries, <= low entries.
+    high = math.floor(Fraction(str(write_high)) * queue) + 1
+    low = math.ceil(Fraction(str(write_low)) * queue) - 1
     return E.options(REFRESH[refresh], PAGE[page_policy], SCHEDULERS[scheduler], queue, high,
-                     low, wck_always_on)
+                     low, wck_always_on, QUEUE_UNITS[queue_unit])
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+def _check_memory(what: str, accesses: int, peak_bytes: int) -> None:
+    """Refuse, before any work, a run whose trace and decomposition cannot fit in memory."""
+    from odma_hw.devices import host
+
+    available = host.mem_available()
+    if peak_bytes > 0.9 * available:
+        raise BadArgument(
+            f"{what} need about {peak_bytes / 1e9:,.1f} GB of memory for the trace and its up to "
+            f"{accesses} accesses; {available / 1e9:,.1f} GB is available: use fewer requests or "
+            f"a smaller granularity")
 
 
 def simulate(spec: str = "lpddr5-6400", pattern: str = "rand", granularity: int = 64,
              requests: int = 100_000, *, write_ratio: float = 0.0, refresh: str = "allbank",
              mode: str | None = None, bl: int | None = None, address_map_name: str = "bg",
-             queue: int = 32, channels: int | None = None, page_policy: str = "open",
+             queue: int = 32, queue_unit: str = "burst", write_high: float = 0.8,
+             write_low: float = 0.2, channels: int | None = None, page_policy: str = "open",
              scheduler: str = "frfcfs", footprint: int | None = None, seed: int = 1,
              trace: Trace | str | None = None, wck_always_on: bool = False,
              interleave: int | None = None, threads: int | None = None, record: int = 0,
-             **pattern_args) -> EmuStats:
+             progress=None, **pattern_args) -> EmuStats:
     """Emulate `requests` requests of `pattern` (see traces.PATTERNS) at `granularity` bytes, or a
     user `trace` (a Trace or the path of a text trace), on preset `spec`.
 
+    queue: entries per direction, each holding one burst (`queue_unit="burst"`, as gem5 and
+    Ramulator count, so that the bytes a queue holds do not depend on the address map) or one
+    access of up to a column chunk (`"access"`). Writes are drained from more than
+    `write_high` x queue queued write entries down to fewer than `write_low` x queue (0: until
+    the write queue is empty).
     record > 0 keeps up to `record` commands of channel 0 in `.log` for the checker.
+    Everything is validated, and the memory the run needs checked, before any work starts;
+    then progress("trace", 0, requests) is called once, and progress("timing", admitted
+    accesses, total accesses) between slices of the timing run.
     """
     dev = device_spec(spec, mode=mode, bl=bl, channels=channels, interleave=interleave)
     ch = dev.channel
     burst = ch.burst_bytes
     amap = address_map(dev, address_map_name)
-    opt = _options(dev, refresh, page_policy, scheduler, queue, wck_always_on)
+    opt = _options(dev, refresh, page_policy, scheduler, queue, wck_always_on,
+                   queue_unit=queue_unit, write_high=write_high, write_low=write_low)
+    if threads is not None and (not _is_int(threads) or threads < 1):
+        raise BadArgument(f"threads must be a positive integer, not {threads!r}")
+    if not _is_int(record) or record < 0:
+        raise BadArgument(f"record must be a non-negative integer, not {record!r}")
     if trace is None:
         if pattern not in PATTERNS:
             raise BadArgument(f"unknown pattern {pattern!r}: expected one of {', '.join(PATTERNS)}")
+        if not _is_int(seed) or seed < 0:
+            raise BadArgument(f"seed must be a non-negative integer, not {seed!r}")
         fp = dev.total_bytes if footprint is None else int(footprint)
         if fp > dev.total_bytes or fp <= 0:
             raise BadArgument(f"footprint {fp} must be in (0, {dev.total_bytes}] bytes")
-        tr = generate(pattern, requests, granularity, footprint=fp, burst=burst,
+        check_shape(requests, granularity, fp, burst)
+        n = int(requests)
+        accesses = n * max_accesses(amap, int(granularity), aligned=True)
+        _check_memory(f"{n} requests of {granularity} B", accesses,
+                      max(_GENERATOR_BYTES * n, _TRACE_BYTES * n + _ACCESS_BYTES * accesses))
+        if progress is not None:
+            progress("trace", 0, n)
+        tr = generate(pattern, n, granularity, footprint=fp, burst=burst,
                       write_ratio=write_ratio, seed=seed, **pattern_args)
-    elif isinstance(trace, str):
-        if not isinstance(granularity, int) or granularity < burst or granularity % burst:
-            raise BadArgument(f"granularity {granularity} is not a multiple of the {burst}-byte burst")
-        tr = read_trace_file(trace, granule=granularity, burst=burst, device_bytes=dev.total_bytes)
-        pattern = "trace"
     else:
-        tr = trace
+        if isinstance(trace, str):
+            if not _is_int(granularity) or granularity < burst or granularity % burst:
+                raise BadArgument(f"granularity {granularity} is not a multiple of the "
+                                  f"{burst}-byte burst")
+            tr = read_trace_file(trace, granule=granularity, burst=burst,
+                                 device_bytes=dev.total_bytes)
+        else:
+            tr = trace
+            if len(tr) and int((tr.addr + tr.size).max()) > dev.total_bytes:
+                raise BadArgument(f"trace addresses go beyond the {dev.total_bytes}-byte device")
         pattern = "trace"
-        if len(tr) and int((tr.addr + tr.size).max()) > dev.total_bytes:
-            raise BadArgument(f"trace addresses go beyond the {dev.total_bytes}-byte device")
+        seg = segment_bytes(amap)
+        accesses = int((-(-tr.size // seg) + 1).sum())
+        _check_memory(f"the trace's {len(tr)} requests", accesses,
+                      _ACCESS_BYTES * accesses)
+        if progress is not None:
+            progress("trace", 0, len(tr))
 
     tp = E.pack(derive(ch))
     if threads is not None:
-        numba.set_num_threads(max(1, min(int(threads), numba.config.NUMBA_NUM_THREADS)))
+        numba.set_num_threads(min(int(threads), numba.config.NUMBA_NUM_THREADS))
     t0 = time.perf_counter()
     offsets, bank, row, bursts, wr = decompose(amap, tr.addr, tr.size, tr.write)
     stats = np.zeros((dev.channels, E.N_S), np.int64)
     hist = np.zeros((dev.channels, E.HIST_BINS), np.int64)
-    log = None
-    if record > 0:
-        log = np.zeros((int(record), E.LOG_COLS), np.int64)
-        empty = np.zeros((0, E.LOG_COLS), np.int64)
-        for c in range(dev.channels):
-            lo, hi = offsets[c], offsets[c + 1]
-            E.run_channel(tp, opt, bank[lo:hi], row[lo:hi], bursts[lo:hi], wr[lo:hi],
-                          stats[c], hist[c], log if c == 0 else empty)
-        log = log[: stats[0, E.S_LOGGED]]
-    elif dev.channels == 1:
-        E.run_channel(tp, opt, bank, row, bursts, wr, stats[0], hist[0],
-                      np.zeros((0, E.LOG_COLS), np.int64))
-    else:
-        E.run_channels(tp, opt, offsets, bank, row, bursts, wr, stats, hist)
+    log = np.zeros((int(record), E.LOG_COLS), np.int64) if record > 0 else None
+    timing = None if progress is None else functools.partial(progress, "timing")
+    E.run(tp, opt, offsets, bank, row, bursts, wr, stats, hist, log, progress=timing)
+    if log is not None:
+        log = log[: stats[0, E.S.logged]]
     wall = time.perf_counter() - t0
     return _summarise(dev, tr, pattern, granularity, int(bank.shape[0]), stats, hist, wall, log,
                       dict(refresh=refresh, mode=ch.mode or None, bl=ch.org.burst_length,
-                           map=address_map_name, queue=int(queue), page_policy=page_policy,
+                           map=address_map_name, queue=int(queue), queue_unit=queue_unit,
+                           write_high=write_high, write_low=write_low, page_policy=page_policy,
                            scheduler=scheduler, write_ratio=write_ratio,
                            wck_always_on=wck_always_on, interleave=dev.interleave_bytes,
                            seed=seed))
@@ -149,7 +213,7 @@ def _summarise(dev, tr, pattern, granularity, accesses, stats, hist, wall, log, 
     d = derive(ch)
     tck = ch.timings.tCK_ns
     tot = stats.sum(axis=0)
-    end_ck = int(stats[:, E.S_END].max())
+    end_ck = int(stats[:, E.S.end].max())
     sim_ns = end_ck * tck
     nbytes = tr.bytes
     bw = nbytes / sim_ns if sim_ns > 0 else 0.0
@@ -159,11 +223,8 @@ def _summarise(dev, tr, pattern, granularity, accesses, stats, hist, wall, log, 
     p99 = float(np.searchsorted(np.cumsum(h), math.ceil(0.99 * nlat)) * tck) if nlat else 0.0
     buses = 2 if d.split_row_col else 1
     reads = int(tr.write.size - int(tr.write.sum()))
-    cmds = {"act": int(tot[E.S_ACT]), "pre": int(tot[E.S_PRE]), "rd": int(tot[E.S_RD]),
-            "wr": int(tot[E.S_WR]), "cas": int(tot[E.S_CAS]), "auto_pre": int(tot[E.S_AUTOPRE]),
-            "preab": int(tot[E.S_PREAB]), "refab": int(tot[E.S_REFAB]),
-            "refpb": int(tot[E.S_REFPB])}
-    hits, miss, conf = int(tot[E.S_HIT]), int(tot[E.S_MISS]), int(tot[E.S_CONFLICT])
+    cmds = {name: int(tot[getattr(E.S, name)]) for name in _COMMAND_STATS}
+    hits, miss, conf = int(tot[E.S.hit]), int(tot[E.S.miss]), int(tot[E.S.conflict])
     return EmuStats(
         preset=dev.name, device=ch.name + (f" x {dev.channels} channels" if dev.channels > 1 else ""),
         channels=dev.channels, pattern=pattern, granularity=int(granularity), requests=len(tr),
@@ -173,7 +234,7 @@ def _summarise(dev, tr, pattern, granularity, accesses, stats, hist, wall, log, 
         row_hits=hits, row_misses=miss, row_conflicts=conf,
         row_hit_rate=hits / max(1, hits + miss + conf), commands=cmds,
         data_bus_utilisation=(cmds["rd"] + cmds["wr"]) * d.nBL / busy_ck if busy_ck else 0.0,
-        ca_bus_utilisation=int(tot[E.S_CA_BUSY]) / (busy_ck * buses) if busy_ck else 0.0,
-        read_latency_mean_ns=(tot[E.S_LAT_SUM] / tot[E.S_LAT_N] * tck) if tot[E.S_LAT_N] else 0.0,
+        ca_bus_utilisation=int(tot[E.S.ca_busy]) / (busy_ck * buses) if busy_ck else 0.0,
+        read_latency_mean_ns=(tot[E.S.lat_sum] / tot[E.S.lat_n] * tck) if tot[E.S.lat_n] else 0.0,
         read_latency_p99_ns=p99, wall_seconds=wall,
         requests_per_second=len(tr) / wall if wall > 0 else 0.0, config=config, log=log)

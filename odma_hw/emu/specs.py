@@ -399,9 +399,11 @@ def device_spec(name: str, *, mode: str | None = None, bl: int | None = None,
             raise BadArgument(f"channels must be an integer in [1, 1024], not {channels!r}")
         n_ch = channels
     if interleave is not None:
-        if interleave < ch.burst_bytes or interleave & (interleave - 1):
-            raise BadArgument(f"channel interleave must be a power of two >= the "
-                              f"{ch.burst_bytes}-byte burst, not {interleave}")
+        if (not isinstance(interleave, int) or interleave < ch.burst_bytes
+                or interleave & (interleave - 1) or interleave > ch.org.channel_bytes):
+            raise BadArgument(f"channel interleave must be a power of two between the "
+                              f"{ch.burst_bytes}-byte burst and the {ch.org.channel_bytes}-byte "
+                              f"channel, not {interleave}")
         gran = interleave
     gran = max(gran, ch.burst_bytes)
     return DeviceSpec(key, ch, n_ch, gran)

@@ -33,7 +33,8 @@ class Trace:
         return int(self.size.sum())
 
 
-def _check(n: int, granule: int, footprint: int, burst: int) -> None:
+def check_shape(n: int, granule: int, footprint: int, burst: int) -> None:
+    """Refuse a request count, granule or footprint that generate() cannot use."""
     if not isinstance(n, (int, np.integer)) or n < 1:
         raise BadArgument(f"request count must be a positive integer, not {n!r}")
     if not isinstance(granule, (int, np.integer)) or granule < burst or granule % burst:
@@ -59,7 +60,7 @@ def generate(pattern: str, n: int, granule: int, *, footprint: int, burst: int,
     """One of PATTERNS, `n` requests of `granule` bytes within [start, start + footprint)."""
     if pattern not in PATTERNS:
         raise BadArgument(f"unknown pattern {pattern!r}: expected one of {', '.join(PATTERNS)}")
-    _check(n, granule, footprint, burst)
+    check_shape(n, granule, footprint, burst)
     rng = np.random.default_rng(seed)
     slots = footprint // granule
     i = np.arange(n, dtype=np.int64)
