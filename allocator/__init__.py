@@ -10,7 +10,8 @@
 Every allocator implements the KVAllocator protocol (kv.py). pool.py holds the device pool and
 what every allocator shares; contiguous.py the contiguous-block pool; policies.py the ODMA,
 static, S3 and oracle policies; paged.py vLLM-style paging; tlsf.py the free-space manager;
-buckets.py the bucket rules; replay.py `odma-hw replay`.
+buckets.py the bucket rules; replay.py `odma-hw replay`; prefix/ the tiered prefix cache;
+serving/ `odma-hw simulate` and `odma-hw workload`.
 """
 
 from allocator.buckets import QuantileBuckets, equal_width_bounds
@@ -26,8 +27,10 @@ from allocator.paged import PagedAllocator, PagedBlock
 from allocator.policies import (LARGE, POLICIES, OdmaPolicy, OracleAllocator, OraclePolicy,
                                 Placement, Policy, RacmAllocator, S3Allocator, S3Policy,
                                 StaticAllocator, StaticPolicy, make_allocator)
+from allocator.pool import BlockPin
 from allocator.predictors import (LengthPredictor, NoisyOraclePredictor, OnlinePredictor,
                                   OraclePredictor, Request, make_predictor)
+from allocator.prefix import PrefixCache, TierBandwidth, prefix_key
 from allocator.tlsf import TlsfFreeSpace
 
 __all__ = [
@@ -39,5 +42,5 @@ __all__ = [
     "StaticPolicy", "S3Policy", "OraclePolicy", "StaticAllocator", "S3Allocator",
     "OracleAllocator", "PagedAllocator", "PagedBlock", "POLICIES", "make_allocator",
     "LengthPredictor", "OraclePredictor", "NoisyOraclePredictor", "OnlinePredictor", "Request",
-    "make_predictor",
+    "make_predictor", "BlockPin", "PrefixCache", "TierBandwidth", "prefix_key",
 ]

@@ -69,6 +69,10 @@ class Block(PinnedBlock):
     def nbytes(self) -> int:
         return self._nbytes
 
+    def _location(self):
+        owner = self._owner
+        return owner.device, owner._pool.buffer, self.offset
+
     def __repr__(self):
         state = ("live", "migrating", "stale")[self._state]
         return (f"Block(request={self.request_id!r}, offset={self.offset}, nbytes={self.nbytes}, "

@@ -45,7 +45,10 @@ def _release_device_memory(device, held: list, owns_device: bool) -> None:
     buf, held[0] = held[0], None
     try:
         if buf is not None and buf.nbytes:
-            device.free(buf)
+            try:
+                device.free(buf)
+            except BadArgument:
+                pass    # the device was closed first, and closing it freed the buffer
     finally:
         if owns_device and device is not None:
             device.close()
@@ -153,6 +156,29 @@ class PinnedBlock:
             raise BadArgument(f"range [{offset}, {offset + nbytes}) is outside the "
                               f"{self.nbytes}-byte block")
 
+    def _pin(self, offset: int, nbytes: int, writing: bool) -> None:
+        """Check [offset, offset + nbytes) is usable and count a transfer on it."""
+        owner = self._owner
+        with owner._lock:
+            self._usable(offset, nbytes, writing)
+            if writing:
+                self._writers += 1
+            else:
+                self._readers += 1
+            owner._pinned += 1
+
+    def pin(self, nbytes: int, writing: bool = False) -> "BlockPin":
+        """Pin bytes [0, nbytes) for a transfer that bypasses read() and write() (a device copy
+        into the block, a DMA out of it): while pinned the block is not freed (release waits)
+        and, for a writer pin, not migrated away (grow waits; a block already migrating refuses
+        the pin with RequestBusy). Release the pin exactly once, from any thread (`with` works).
+        `location` is (Device, Buffer, offset) of the block's first byte."""
+        return BlockPin(self, count("nbytes", nbytes), bool(writing))
+
+    def _location(self):
+        raise BadArgument(f"{type(self).__name__} is not one contiguous range: it cannot be pinned "
+                          "for a raw transfer")
+
     def _unpin(self, writing: bool) -> None:
         """Lock held. Wake a migration or a release waiting for this block's transfers."""
         if writing:
@@ -172,10 +198,7 @@ class PinnedBlock:
         offset = count("offset", offset)
         n = mv.nbytes
         owner = self._owner
-        with owner._lock:
-            self._usable(offset, n, writing=True)
-            self._writers += 1
-            owner._pinned += 1
+        self._pin(offset, n, writing=True)
         done = False
         try:
             pool = owner._pool
@@ -194,10 +217,7 @@ class PinnedBlock:
         nbytes = count("nbytes", nbytes)
         offset = count("offset", offset)
         owner = self._owner
-        with owner._lock:
-            self._usable(offset, nbytes, writing=False)
-            self._readers += 1
-            owner._pinned += 1
+        self._pin(offset, nbytes, writing=False)
         try:
             pool = owner._pool
             return b"".join([pool.read(at, length) for at, length, _ in self._spans(offset, nbytes)])
@@ -214,6 +234,33 @@ class PinnedBlock:
             self._usable(0, nbytes, writing=True, needs_bytes=False)
             if nbytes > self.written:
                 self.written = nbytes
+
+
+class BlockPin:
+    """A transfer pin on a block (see PinnedBlock.pin)."""
+
+    __slots__ = ("block", "writing", "location", "_held")
+
+    def __init__(self, block: PinnedBlock, nbytes: int, writing: bool):
+        location = block._location()
+        block._pin(0, nbytes, writing)
+        self.block = block
+        self.writing = writing
+        self.location = location
+        self._held = True
+
+    def release(self) -> None:
+        with self.block._owner._lock:
+            if not self._held:
+                return
+            self._held = False
+            self.block._unpin(self.writing)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.release()
 
 
 class PoolAllocator:

@@ -213,6 +213,51 @@ def test_close_waits_for_a_running_write():
     assert not errors, errors
 
 
+def test_a_pin_holds_off_migration_and_release_until_it_is_released():
+    """A raw transfer (a prefix restore, a DMA) pins the block: grow waits for a writer pin,
+    release waits for a reader pin, and the pin says where the block's bytes are."""
+    dev = MemoryDevice()
+    alloc = RacmAllocator(dev, 1 << 20, 256, 1024, AllocatorConfig(background_refresh=False))
+    blk = alloc.reserve("r", 4, 4)
+    blk.write(b"a" * 512)
+    events = []
+
+    def grow_then_note():
+        alloc.grow("r", 600)
+        events.append("grown")
+
+    with blk.pin(512, writing=True) as pin:
+        device, buf, offset = pin.location
+        assert device is dev and offset == blk.offset
+        dev.write(buf, offset, b"b" * 512)     # bytes written behind the allocator's back
+        t = threading.Thread(target=grow_then_note)
+        t.start()
+        time.sleep(0.05)
+        assert events == []                    # the migration waits for the writer
+        events.append("unpinned")
+    t.join()
+    assert events == ["unpinned", "grown"]
+    assert alloc.block("r").read(512) == b"b" * 512
+
+    new = alloc.block("r")
+    pin = new.pin(64)
+    t = threading.Thread(target=lambda: (alloc.release("r", 10), events.append("released")))
+    t.start()
+    time.sleep(0.05)
+    assert events[-1] == "grown"               # release waits for the reader
+    pin.release()
+    pin.release()                              # a second release is a no-op
+    t.join()
+    assert events[-1] == "released"
+    with pytest.raises(StaleBlock):
+        new.pin(64)
+    paged = PagedAllocator(MemoryDevice(), 1 << 20, 256, 1024, page_tokens=16)
+    with pytest.raises(BadArgument, match="contiguous"):
+        paged.reserve("p", 4, 4).pin(64)
+    paged.close()
+    alloc.close()
+
+
 # one rule for every count and amount, on every allocator -----------------------------------
 BAD_COUNTS = [2000.5, math.nan, math.inf, -1, True, "10", b"5", None, np.array([1, 2]), 1e3]
 BAD_AMOUNTS = [-1, math.nan, "10", b"5", True, None, np.array([1.0, 2.0]), [3]]

@@ -1,0 +1,116 @@
+"""Where a prefix cache's bytes live and how they move between devices.
+
+- host_tier_device: the memory the host tier lives in, for a serving device: the serving device
+  itself when it is host memory (`host`, `torch:cpu`), pinned CPU tensors for a torch
+  accelerator, the native `host` device (huge-page buffers) otherwise.
+- move: one transfer between two (Device, Buffer, offset) places, with the checksum of the bytes
+  moved computed in the same pass where both sides are host memory.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from odma_hw import devices as _devices
+from odma_hw.errors import DeviceUnavailable
+
+from allocator.prefix.kernels import copy_digest, digest
+
+
+def host_view(device, buf, offset: int, nbytes: int) -> np.ndarray | None:
+    """A uint8 numpy view of bytes [offset, offset + nbytes) of `buf` when they are host memory
+    the process can address (the native host device, CPU torch tensors); None otherwise. The
+    caller keeps the buffer alive (pinned) while it uses the view."""
+    kind = device.info.kind
+    if kind == "host":
+        from odma_hw import native
+
+        ffi, _ = native.require()
+        return np.frombuffer(ffi.buffer(ffi.cast("char *", buf.handle + offset), nbytes), np.uint8)
+    if kind == "torch" and getattr(device, "dev", None) is not None and device.dev.type == "cpu":
+        return buf.handle[offset:offset + nbytes].numpy()
+    return None
+
+
+def is_host_memory(device) -> bool:
+    kind = device.info.kind
+    return kind == "host" or (kind == "torch" and device.dev.type == "cpu")
+
+
+def _pinned_torch_host():
+    """A TorchDevice over page-locked CPU tensors (DMA-able by the accelerator without staging);
+    plain CPU tensors where the runtime cannot pin."""
+    from odma_hw.devices.torch_device import TorchDevice, torch
+    from odma_hw.devices.base import Buffer
+    from odma_hw.errors import BadArgument, DeviceError
+
+    class PinnedHostMemory(TorchDevice):
+        def __init__(self):
+            super().__init__(torch.device("cpu"))
+            self.pinned = True
+            self.info.spec = "torch:cpu(pinned)"
+            self.info.name = "page-locked host memory (torch pin_memory)"
+
+        def alloc(self, nbytes: int) -> Buffer:
+            if not isinstance(nbytes, int) or nbytes <= 0:
+                raise BadArgument(f"buffer size must be a positive integer, got {nbytes!r}")
+            if self.pinned:
+                try:
+                    return Buffer(self, torch.empty(nbytes, dtype=torch.uint8, pin_memory=True),
+                                  nbytes)
+                except RuntimeError:
+                    self.pinned = False     # no pinning runtime: pageable memory still works
+                    self.info.details["pinned"] = False
+            try:
+                return Buffer(self, torch.empty(nbytes, dtype=torch.uint8), nbytes)
+            except RuntimeError as exc:
+                raise DeviceError(f"host tier: allocation of {nbytes} bytes failed: {exc}") from None
+
+    return PinnedHostMemory()
+
+
+def host_tier_device(serving):
+    """(Device for the host tier, whether the cache opened it and must close it)."""
+    if is_host_memory(serving):
+        return serving, False
+    if serving.info.kind == "torch":
+        return _pinned_torch_host(), True
+    try:
+        return _devices.open("host"), True
+    except DeviceUnavailable:
+        return _devices.open("torch:cpu"), True
+
+
+def move(src, dst, nbytes: int, checksum: bool) -> tuple[float, float | None, bytes | None]:
+    """Copy `nbytes` from src to dst, each (Device, Buffer, offset), not overlapping. Returns
+    (wall seconds, the device's own seconds when Device.copy did it (modelled on emulated
+    devices), checksum of the bytes moved when `checksum` else None). Raises what the devices
+    raise."""
+    sdev, sbuf, soff = src
+    ddev, dbuf, doff = dst
+    t0 = time.perf_counter()
+    dev_seconds = None
+    got = None
+    sv = host_view(sdev, sbuf, soff, nbytes)
+    dv = host_view(ddev, dbuf, doff, nbytes)
+    if sv is not None and dv is not None and (checksum or sdev is not ddev):
+        got = copy_digest(dv, sv)                   # one pass: streaming copy + checksum
+    elif sdev is ddev:
+        dev_seconds = sdev.copy(dbuf, doff, sbuf, soff, nbytes)
+        if checksum:
+            side = dv if dv is not None else sv
+            got = digest(side if side is not None else ddev.read(dbuf, doff, nbytes))
+    elif sdev.info.kind == "torch" and ddev.info.kind == "torch":
+        if checksum and sv is not None:
+            got = digest(sv)                        # host -> accelerator: check before the DMA
+        dbuf.handle[doff:doff + nbytes].copy_(sbuf.handle[soff:soff + nbytes])
+        if checksum and got is None:
+            got = digest(dv if dv is not None else ddev.read(dbuf, doff, nbytes))
+    else:                                           # through host memory: read, then write
+        data = sv if sv is not None else sdev.read(sbuf, soff, nbytes)
+        if checksum:
+            got = digest(data)
+        ddev.write(dbuf, doff, data)
+    return time.perf_counter() - t0, dev_seconds, got
