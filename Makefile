@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml setup.py constraints.txt $(wildcard native/*.c native/*.h native/*.py)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -c constraints.txt -e '.[torch,plot,test]'
+	$(BIN)/python -m pip install -q -c constraints.txt -e '.[torch,plot,sweep,test]'
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -1,0 +1,435 @@
+"""`odma-hw sweep GRID`: grid files, cells checked before anything runs, content hashes, the
+results table and log, --resume, and sweeps on a local two-worker Ray.
+
+The Ray tests share one local Ray (a module fixture: starting Ray costs seconds) and a `fake`
+command defined in this module, whose cells can fail or kill their own worker on demand.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from odma_hw import sweep
+from odma_hw.cli import main
+from odma_hw.errors import BadArgument
+
+REPO = Path(__file__).resolve().parents[1]
+TESTS = Path(__file__).resolve().parent
+
+
+# --------------------------------------------------------------------- the fake command
+def register(subparsers):
+    """`fake`: a command for sweeps under test (cells that fail or kill their worker)."""
+    p = subparsers.add_parser("fake")
+    p.add_argument("--x", type=int, default=0)
+    p.add_argument("--label", default="a", choices=["a", "b", "c"])
+    p.add_argument("--rows", action="store_true", help="return two results, as simulate does")
+    p.add_argument("--fail-while", default=None, metavar="DIR",
+                   help="raise while this folder exists")
+    p.add_argument("--die-while", default=None, metavar="DIR",
+                   help="kill the worker process while this folder exists")
+    p.add_argument("--input", default=None, metavar="FILE")
+    p.add_argument("--json", action="store_true")
+
+
+def compute(args) -> dict:
+    if args.die_while and os.path.isdir(args.die_while):
+        os._exit(1)
+    if args.fail_while and os.path.isdir(args.fail_while):
+        raise BadArgument(f"fake failure for x={args.x}")
+    if args.rows:
+        return {"schema": "fake/1", "results": [
+            {"policy": "odma", "tps": 10.0 * args.x, "x": args.x},
+            {"policy": "paged", "tps": 5.0 * args.x, "x": args.x}]}
+    return {"schema": "fake/1", "x": args.x, "square": args.x ** 2,
+            "nested": {"pid": os.getpid(), "deep": {"label": args.label}},
+            "series": [1, 2, 3]}
+
+
+@pytest.fixture
+def fake_command(monkeypatch):
+    monkeypatch.setitem(sweep.COMMANDS, "fake", __name__)
+    monkeypatch.setitem(sweep.DEFAULT_METRICS, "fake", "square")
+
+
+def write_grid(path: Path, text: str) -> str:
+    path.write_text(text)
+    return str(path)
+
+
+def read_csv(path) -> list[dict]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def read_log(path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines()]
+
+
+# --------------------------------------------------------------------- grids and cells
+def test_cells_are_the_product_of_the_axes_last_axis_fastest(tmp_path, fake_command):
+    grid = sweep.load_grid(write_grid(tmp_path / "g.toml", """
+        command = "fake"
+        [fixed]
+        label = "b"
+        [axes]
+        x = [1, 2]
+        rows = [false, true]
+        """))
+    assert grid.cells() == [{"x": 1, "rows": False}, {"x": 1, "rows": True},
+                            {"x": 2, "rows": False}, {"x": 2, "rows": True}]
+    cells = sweep.plan(grid).cells
+    assert [c.argv for c in cells[:2]] == [
+        ("fake", "--label", "b", "--x", "1", "--json"),
+        ("fake", "--label", "b", "--x", "1", "--rows", "--json")]
+
+
+def test_zipped_axes_vary_together(tmp_path, fake_command):
+    grid = sweep.load_grid(write_grid(tmp_path / "g.toml", """
+        command = "fake"
+        zip = [["x", "label"]]
+        [axes]
+        x = [1, 2, 3]
+        label = ["a", "b", "c"]
+        rows = [false, true]
+        """))
+    assert grid.dimensions() == [("x", "label"), ("rows",)]
+    cells = grid.cells()
+    assert len(cells) == 6
+    assert {(c["x"], c["label"]) for c in cells} == {(1, "a"), (2, "b"), (3, "c")}
+
+
+def test_yaml_and_json_grids_mean_the_same_as_toml(tmp_path, fake_command):
+    pytest.importorskip("yaml", reason="YAML grids need PyYAML (installed with Ray)")
+    toml = sweep.load_grid(write_grid(tmp_path / "g.toml", 'command = "fake"\n'
+                                      '[axes]\nx = [1, 2]\ntime_scale = [0.5]\n'))
+    yaml = sweep.load_grid(write_grid(tmp_path / "g.yaml",
+                                      "command: fake\naxes:\n  x: [1, 2]\n  time-scale: [0.5]\n"))
+    js = sweep.load_grid(write_grid(tmp_path / "g.json", json.dumps(
+        {"command": "fake", "axes": {"x": [1, 2], "--time-scale": [0.5]}})))
+    assert toml.cells() == yaml.cells() == js.cells() == [
+        {"x": 1, "time-scale": 0.5}, {"x": 2, "time-scale": 0.5}]
+
+
+@pytest.mark.parametrize("text,match", [
+    ('command = "fake"\nsweep = 1\n', "unknown key 'sweep'"),
+    ('command = "probe"\n', "command must be one of"),
+    ('command = "fake"\n[axes]\nx = []\n', "axis 'x' must be a non-empty list"),
+    ('command = "fake"\n[fixed]\nx = [1, 2]\n', "fixed 'x' is a list"),
+    ('command = "fake"\n[fixed]\nx = 1\n[axes]\nx = [2]\n', "'x' is given twice"),
+    ('command = "fake"\nzip = [["x", "y"]]\n[axes]\nx = [1]\n', "'y', which is not an axis"),
+    ('command = "fake"\nzip = [["x", "label"]]\n[axes]\nx = [1, 2]\nlabel = ["a"]\n',
+     "equal lengths, not x 2, label 1"),
+    ('command = "fake"\n[axes\n', "malformed TOML"),
+])
+def test_malformed_grids_are_refused_in_one_line(tmp_path, fake_command, text, match):
+    with pytest.raises(BadArgument, match=match) as exc:
+        sweep.load_grid(write_grid(tmp_path / "g.toml", text))
+    assert "\n" not in str(exc.value)
+
+
+@pytest.fixture
+def no_ray(monkeypatch):
+    """Refusals must come before Ray is even imported (so before any cell runs)."""
+    def refuse():
+        raise AssertionError("the sweep reached Ray before refusing its grid")
+    monkeypatch.setattr(sweep, "import_ray", refuse)
+
+
+@pytest.mark.parametrize("axes,match", [
+    ('spec = ["lpddr5-6400"]\ngran = [64]',
+     r"cell 0 \(spec=lpddr5-6400 gran=64\): gran: `odma-hw emulate` has no option --gran"),
+    ('pattern = ["seq", "rand", "zigzag"]',
+     r"cell 2 \(pattern=zigzag\): argument --pattern: invalid choice: 'zigzag'"),
+    ('spec = ["lpddr5-6400", "lpddr9"]',
+     r"cell 1 \(spec=lpddr9\): spec: unknown emulator preset 'lpddr9'"),
+    ('granularity = [64, "lots"]',
+     r"cell 1 \(granularity=lots\): granularity: --granularity must be an integer"),
+    ('seed = [1, 2.5]', r"cell 1 \(seed=2.5\): argument --seed: invalid int value: '2.5'"),
+    ('wck-always-on = [1]', r"cell 0 \(wck-always-on=1\): wck-always-on: --wck-always-on is a "
+                            r"flag: give true or false"),
+    ('plot = ["a.png"]', r"cell 0 \(plot=a.png\): plot: a cell takes no --plot"),
+])
+def test_unknown_options_and_values_are_refused_before_any_cell_runs(
+        tmp_path, capsys, no_ray, axes, match):
+    grid = write_grid(tmp_path / "g.toml", f'command = "emulate"\n[axes]\n{axes}\n')
+    out = tmp_path / "out"
+    assert main(["sweep", grid, "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("odma-hw: error: ")
+    assert __import__("re").search(match, err), err
+    assert not out.exists()
+
+
+def test_a_missing_trace_is_refused_naming_the_cell(tmp_path, capsys, no_ray):
+    grid = write_grid(tmp_path / "g.toml", 'command = "replay"\n[axes]\n'
+                      f'trace = ["{REPO}/nowhere.csv"]\npolicy = ["odma"]\n')
+    assert main(["sweep", grid]) == 2
+    assert "cell 0 (trace=" in capsys.readouterr().err
+
+
+def test_plot_needs_one_or_two_axes_and_is_checked_up_front(tmp_path, capsys, no_ray):
+    pytest.importorskip("matplotlib")
+    grid = write_grid(tmp_path / "g.toml", 'command = "emulate"\n[axes]\nspec = '
+                      '["lpddr5-6400"]\npattern = ["seq"]\ngranularity = [64]\n')
+    assert main(["sweep", grid, "--plot", str(tmp_path / "p.png")]) == 2
+    assert "one or two axes" in capsys.readouterr().err
+    assert main(["sweep", grid, "--plot", str(tmp_path / "no" / "p.png")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_without_ray_the_sweep_says_how_to_install_it(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
+    grid = write_grid(tmp_path / "g.toml", 'command = "emulate"\n[axes]\nrequests = [10]\n')
+    assert main(["sweep", grid, "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "pip install 'odma-hw[sweep]'" in err and err.count("\n") == 1
+
+
+def test_an_unreachable_address_fails_in_one_line(tmp_path, capsys, no_ray):
+    with socket.socket() as s:      # a port nothing listens on once closed
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    grid = write_grid(tmp_path / "g.toml", 'command = "emulate"\n[axes]\nrequests = [10]\n')
+    assert main(["sweep", grid, "--address", f"127.0.0.1:{port}"]) == 2
+    err = capsys.readouterr().err
+    assert f"no Ray cluster answers at 127.0.0.1:{port}" in err and err.count("\n") == 1
+    assert main(["sweep", grid, "--address", "nonsense"]) == 2
+    assert "expected auto, HOST:PORT or ray://HOST:PORT" in capsys.readouterr().err
+
+
+def test_dry_run_lists_every_cell_with_its_command_line(tmp_path, capsys):
+    grid = write_grid(tmp_path / "g.toml", 'command = "emulate"\n[fixed]\nrequests = 100\n'
+                      '[axes]\npattern = ["seq", "rand"]\n')
+    assert main(["sweep", grid, "--dry-run"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split("\t")[2:] for line in lines] == [
+        ["todo", "odma-hw emulate --requests 100 --pattern seq --json"],
+        ["todo", "odma-hw emulate --requests 100 --pattern rand --json"]]
+    assert sweep.default_out(grid) == str(tmp_path / "g-sweep")   # next to the grid, named for it
+
+
+# --------------------------------------------------------------------- content hashes
+def _hashes(tmp_path, body: str, name="g.toml") -> list[str]:
+    return [c.hash for c in sweep.plan(sweep.load_grid(write_grid(tmp_path / name, body))).cells]
+
+
+def test_hashes_are_stable_and_follow_the_parsed_arguments(tmp_path, fake_command):
+    a = _hashes(tmp_path, 'command = "fake"\n[axes]\nx = [1, 2]\n')
+    assert a == _hashes(tmp_path, 'command = "fake"\n[axes]\nx = [1, 2]\n')
+    assert len(set(a)) == 2
+    # the parser's value and its default decide, not the spelling
+    assert _hashes(tmp_path, 'command = "fake"\n[axes]\nx = ["01", 2]\n') == a
+    assert _hashes(tmp_path, 'command = "fake"\n[fixed]\nlabel = "a"\n[axes]\nx = [1, 2]\n') == a
+    assert _hashes(tmp_path, 'command = "fake"\n[fixed]\nlabel = "b"\n[axes]\nx = [1, 2]\n') != a
+    # two spellings of one cell would collapse into one row: refused
+    with pytest.raises(BadArgument, match=r"cell 1 \(x=01\): the same arguments as cell 0"):
+        _hashes(tmp_path, 'command = "fake"\n[axes]\nx = [1, "01"]\n')
+
+
+def test_hashes_follow_the_content_of_the_files_a_cell_reads(tmp_path, fake_command,
+                                                              monkeypatch):
+    data = tmp_path / "input.csv"
+    data.write_text("num_prefill_tokens,num_decode_tokens\n10,20\n")
+    grid = 'command = "fake"\n[axes]\ninput = ["{}"]\n'
+    absolute = _hashes(tmp_path, grid.format(data))
+    monkeypatch.chdir(tmp_path)
+    assert _hashes(tmp_path, grid.format("input.csv")) == absolute   # same bytes, same cell
+    data.write_text("num_prefill_tokens,num_decode_tokens\n10,21\n")
+    assert _hashes(tmp_path, grid.format("input.csv")) != absolute   # edited trace: rerun
+
+
+# --------------------------------------------------------------------- rows of the table
+def test_outputs_flatten_to_scalar_columns_and_results_lists_to_rows():
+    assert sweep.output_rows({"a": 1, "b": {"c": 2.5, "d": {"e": "x"}}, "s": [1, 2],
+                              "n": None}) == [{"a": 1, "b.c": 2.5, "b.d.e": "x", "n": None}]
+    rows = sweep.output_rows({"schema": "s/1", "results": [
+        {"policy": "odma", "tps": 1.0, "ttft_s": {"p50": 0.1}, "series": [0]},
+        {"policy": "paged", "tps": 2.0, "ttft_s": {"p50": 0.2}, "series": [0]}]})
+    assert rows == [{"schema": "s/1", "policy": "odma", "tps": 1.0, "ttft_s.p50": 0.1},
+                    {"schema": "s/1", "policy": "paged", "tps": 2.0, "ttft_s.p50": 0.2}]
+
+
+def test_an_output_key_named_like_an_axis_is_kept_as_out_key():
+    cell = sweep.Cell(3, {"policy": "odma,paged"}, ("simulate", "--json"), "h")
+    result = {"status": "ok", "error": None, "rows": [{"policy": "odma", "wall_seconds": 2.0}],
+              "wall_seconds": 1.0, "warm_up_seconds": 0.0, "worker": "w"}
+    (r,) = sweep.cell_records(cell, result)
+    assert (r["policy"], r["out.policy"]) == ("odma,paged", "odma")
+    assert (r["wall_seconds"], r["out.wall_seconds"]) == (1.0, 2.0)
+
+
+def test_plot_lines_follow_the_second_axis_and_the_rows_within_a_cell():
+    # a simulate grid over rate (strings, as --rate takes a list) and page tokens: each cell
+    # returns one row per policy, and each row repeats its cell's rate
+    grid = sweep.Grid("g.toml", "simulate", {}, {"rate": ["2", "8"], "page-tokens": [16, 32]})
+    rows = [{"cell": c, "status": "ok", "rate": rate, "page-tokens": pt, "out.rate": float(rate),
+             "policy": policy, "output_tps": tps}
+            for c, (rate, pt) in enumerate([("2", 16), ("2", 32), ("8", 16), ("8", 32)])
+            for policy, tps in (("odma", 100 * c), ("paged", 100 * c + 1))]
+    rows.append({"cell": 4, "status": "failed", "rate": "8", "page-tokens": 64})
+    column, lines, numeric_x = sweep.plot_lines(grid, rows, "output_tps")
+    assert column == "output_tps" and numeric_x
+    assert lines == {"page-tokens=16, policy=odma": [(2.0, 0), (8.0, 200)],
+                     "page-tokens=16, policy=paged": [(2.0, 1), (8.0, 201)],
+                     "page-tokens=32, policy=odma": [(2.0, 100), (8.0, 300)],
+                     "page-tokens=32, policy=paged": [(2.0, 101), (8.0, 301)]}
+    with pytest.raises(BadArgument, match="--metric 'tps' is not a column"):
+        sweep.plot_lines(grid, rows, "tps")
+
+
+# --------------------------------------------------------------------- sweeps on Ray
+@pytest.fixture(scope="module")
+def local_ray():
+    """One local Ray with two workers for every test below; its workers can import this
+    module (the fake command)."""
+    ray = pytest.importorskip("ray", reason="Ray is not installed: pip install 'odma-hw[sweep]'")
+    import logging
+
+    path = os.pathsep.join(p for p in (str(TESTS), str(REPO), os.environ.get("PYTHONPATH"))
+                           if p)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             logging_level=logging.WARNING, runtime_env={"env_vars": {"PYTHONPATH": path}})
+    yield ray
+    ray.shutdown()
+
+
+def test_a_small_emulate_sweep_on_two_workers(tmp_path, capsys, local_ray):
+    pytest.importorskip("matplotlib")
+    grid = write_grid(tmp_path / "emu.toml", """
+        command = "emulate"
+        [fixed]
+        requests = 3000
+        [axes]
+        pattern = ["seq", "rand"]
+        granularity = [48, 64, 128]
+        """)
+    out, png = tmp_path / "res", tmp_path / "eff.png"
+    # 48 B is no multiple of the 32 B burst: those cells fail at run time, the others go on
+    assert main(["sweep", grid, "--out", str(out), "--plot", str(png)]) == 3
+    captured = capsys.readouterr()
+    assert "2 of 6 cells failed" in captured.err and "4 ok, 2 failed" in captured.out
+    rows = read_csv(out / "results.csv")
+    assert [(r["cell"], r["pattern"], r["granularity"], r["status"]) for r in rows] == [
+        ("0", "seq", "48", "failed"), ("1", "seq", "64", "ok"), ("2", "seq", "128", "ok"),
+        ("3", "rand", "48", "failed"), ("4", "rand", "64", "ok"), ("5", "rand", "128", "ok")]
+    assert "not a multiple of the 32-byte burst" in rows[0]["error"]
+    ok = [r for r in rows if r["status"] == "ok"]
+    assert all(0 < float(r["efficiency"]) <= 1 for r in ok)
+    assert all(r["requests"] == "3000" and r["out.pattern"] == r["pattern"] for r in ok)
+    assert float(ok[0]["efficiency"]) > float(ok[2]["efficiency"])  # seq beats rand at 64 B
+    assert {"commands.act", "config.seed", "hash", "command_line"} <= set(rows[0])
+    assert len(read_log(out / "results.jsonl")) == 6
+    meta = json.loads((out / "sweep.json").read_text())
+    assert meta["cells"] == 6 and "never includes Numba compilation" in meta["numba_warm_up"]
+    # each worker process warmed the emulator up once, before its first cell
+    warm = [float(r["warm_up_seconds"]) for r in rows]
+    assert any(w > 0 for w in warm) and sum(w > 0 for w in warm) <= 2
+    assert png.stat().st_size > 0
+    # a second run into the same folder must say --resume, not overwrite
+    assert main(["sweep", grid, "--out", str(out)]) == 2
+    assert "--resume" in capsys.readouterr().err
+
+
+def test_resume_skips_ok_cells_and_reruns_failed_ones(tmp_path, capsys, fake_command,
+                                                      local_ray):
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    grid = write_grid(tmp_path / "g.toml", f"""
+        command = "fake"
+        zip = [["x", "fail-while"]]
+        [axes]
+        x = [1, 2, 3, 4]
+        fail-while = ["{tmp_path}/fine", "{broken}", "{tmp_path}/fine", "{broken}"]
+        """)
+    out = tmp_path / "out"
+    assert main(["sweep", grid, "--out", str(out)]) == 3
+    first = read_log(out / "results.jsonl")
+    assert sorted((r["x"], r["status"]) for r in first) == [
+        (1, "ok"), (2, "failed"), (3, "ok"), (4, "failed")]
+    assert {r["error"] for r in first if r["status"] == "failed"} == {
+        "BadArgument: fake failure for x=2", "BadArgument: fake failure for x=4"}
+
+    broken.rmdir()                 # the cause is gone: --resume reruns exactly the failures
+    assert main(["sweep", grid, "--out", str(out), "--resume"]) == 0
+    second = read_log(out / "results.jsonl")
+    assert second[:4] == first and sorted(r["x"] for r in second[4:]) == [2, 4]
+    rows = read_csv(out / "results.csv")
+    assert [(r["x"], r["status"], r["square"]) for r in rows] == [
+        ("1", "ok", "1"), ("2", "ok", "4"), ("3", "ok", "9"), ("4", "ok", "16")]
+    assert "nested.deep.label" in rows[0] and "series" not in rows[0]
+    assert main(["sweep", grid, "--out", str(out), "--resume"]) == 0   # nothing left to do
+    assert len(read_log(out / "results.jsonl")) == 6
+
+
+def test_a_killed_worker_loses_no_finished_cell_and_resume_completes(
+        tmp_path, capsys, fake_command, local_ray):
+    deadly = tmp_path / "deadly"
+    deadly.mkdir()
+    grid = write_grid(tmp_path / "g.toml", f"""
+        command = "fake"
+        zip = [["x", "die-while"]]
+        [fixed]
+        rows = true
+        [axes]
+        x = [1, 2, 3, 4, 5]
+        die-while = ["{tmp_path}/calm", "{tmp_path}/calm", "{deadly}", "{tmp_path}/calm",
+                     "{tmp_path}/calm"]
+        """)
+    out = tmp_path / "out"
+    assert main(["sweep", grid, "--out", str(out), "--retries", "0"]) == 3
+    rows = read_csv(out / "results.csv")
+    (died,) = [r for r in rows if r["status"] == "failed"]
+    assert died["x"] == "3" and "Worker" in died["error"], died["error"]
+    # every cell whose worker lived is there, two rows each (policy odma and paged)
+    assert [(r["x"], r["row"], r["policy"]) for r in rows if r["status"] == "ok"] == [
+        (str(x), str(i), p) for x in (1, 2, 4, 5) for i, p in enumerate(("odma", "paged"))]
+
+    deadly.rmdir()
+    assert main(["sweep", grid, "--out", str(out), "--resume"]) == 0
+    rows = read_csv(out / "results.csv")
+    assert [(r["x"], r["row"], r["status"], r["tps"]) for r in rows] == [
+        (str(x), str(i), "ok", str(float(t * x))) for x in range(1, 6)
+        for i, t in enumerate((10, 5))]
+
+
+def test_ctrl_c_keeps_the_finished_cells_and_exits_130(tmp_path):
+    pytest.importorskip("ray", reason="Ray is not installed: pip install 'odma-hw[sweep]'")
+    grid = write_grid(tmp_path / "slow.toml", """
+        command = "emulate"
+        [fixed]
+        requests = 1500000
+        [axes]
+        seed = [1, 2, 3, 4, 5, 6, 7, 8]
+        """)
+    out = tmp_path / "out"
+    log = out / "results.jsonl"
+    proc = subprocess.Popen([sys.executable, "-m", "odma_hw", "sweep", grid, "--out", str(out),
+                             "--workers", "1"], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (log.exists() and log.read_text().count("\n") >= 1):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.1)
+        os.killpg(proc.pid, signal.SIGINT)   # what a terminal's Ctrl-C does
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, err
+    assert "--resume runs the other" in err
+    finished = [r for r in read_log(log) if r["status"] == "ok"]
+    assert 1 <= len(finished) < 8
+    assert [r["hash"] for r in read_csv(out / "results.csv") if r["status"] == "ok"] == [
+        r["hash"] for r in sorted(finished, key=lambda r: r["cell"])]
