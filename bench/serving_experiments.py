@@ -3,22 +3,28 @@ MLU370-X4 cards, and the map of where contiguous ODMA blocks beat paging and whe
 
     .venv/bin/python bench/serving_experiments.py paper [--requests N] [--out DIR]
     .venv/bin/python bench/serving_experiments.py map   [--requests N] [--out DIR]
+    .venv/bin/python bench/serving_experiments.py prefix [--requests N]
 
-Both read the traces from ../shared/traces (or ODMA_TRACES) and print Markdown tables; `map`
-also writes map.png. Every row is one `odma-hw simulate` run, so any row can be rerun alone with
-the flags its table names.
+`paper` and `map` read the traces from ../shared/traces (or ODMA_TRACES); `prefix` generates the
+prefix-cache paper's workloads (`odma-hw workload`). All print Markdown tables; `map` also writes
+map.png. Every row is one `odma-hw simulate` run, so any row can be rerun alone with the flags its
+table names.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
 from pathlib import Path
 
 from allocator.serving.cli import simulate
+from allocator.serving.engine import PrefixSettings
+from allocator.serving.presets import model_spec
 from allocator.serving.timing import EmuSettings
+from allocator.serving.workloads import chat, text_analysis
 
 TRACES = Path(os.environ.get("ODMA_TRACES", Path(__file__).resolve().parents[2] / "shared" /
                              "traces"))
@@ -153,19 +159,103 @@ def map_(args) -> None:
     log(f"wrote {out / 'map.png'}")
 
 
+def prefix(args) -> None:
+    """The prefix-cache paper's text-analysis benchmark (n = 128 templates, k requests queued at
+    once) with tier capacities of 8 / 32 / 128 mean-sized templates on device / host / disk,
+    against no cache; then schedule, eviction and prefetch variants; then the chat workload."""
+    import numpy as np
+
+    model = "deepseek-r1-distill-qwen-7b"
+    bpt = model_spec(model).kv_bytes_per_token
+    k = args.requests or 2000
+    ta = text_analysis(k, 128, seed=args.seed)
+    per_prefix = float(np.mean([t for t in dict(zip(ta.prefix_id, ta.prefix_tokens)).values()]))
+    gb = per_prefix * bpt / 1e9
+    tiers = dict(device_gb=8 * gb, host_gb=32 * gb, disk_gb=128 * gb)
+    log(f"text-analysis: {k} requests, mean template {per_prefix:.0f} tokens = {gb:.3f} GB; "
+        f"tiers {tiers['device_gb']:.2f} / {tiers['host_gb']:.2f} / {tiers['disk_gb']:.2f} GB")
+    flags = (f"--cache-device-gb {tiers['device_gb']:.2f} --cache-host-gb "
+             f"{tiers['host_gb']:.2f} --cache-disk-gb {tiers['disk_gb']:.2f}")
+
+    def run(trace, label, settings, rate=None):
+        t0 = time.perf_counter()
+        r = simulate(trace, ("odma",), (rate,), model=model, seed=args.seed, prefix=settings)[0]
+        log(f"{label}: {time.perf_counter() - t0:.1f} s")
+        return label, r
+
+    variants = [run(ta, "no cache", None)]
+    base = dict(tiers)
+    for label, kw in (("cache (FCFS, LRU, no prefetch)", {}),
+                      ("--prefix-schedule fpf", dict(schedule="fpf")),
+                      ("--prefix-schedule relaxed-fpf", dict(schedule="relaxed-fpf")),
+                      ("--eviction fifo", dict(eviction="fifo")),
+                      ("--eviction random", dict(eviction="random")),
+                      ("--prefetch 8", dict(prefetch=8)),
+                      ("--prefetch 32", dict(prefetch=32)),
+                      ("--prefix-schedule fpf --prefetch 32", dict(schedule="fpf", prefetch=32)),
+                      ("device tier only (8 templates)", dict(host_gb=0.0, disk_gb=0.0)),
+                      ("device + host (8 + 32)", dict(disk_gb=0.0))):
+        variants.append(run(ta, label, PrefixSettings(**{**base, **kw})))
+    _prefix_table(f"text analysis: n = 128 templates, k = {k} requests queued at once; tiers "
+                  f"{flags}", variants)
+
+    # queued at once every request has waited as long: relaxed FPF's weight is FPF's order.
+    # Poisson arrivals near the cache's capacity tell the schedules apart (tail latency)
+    rate = 4.0
+    _prefix_table(f"text analysis at Poisson {rate:g} req/s (`--rate {rate:g}`), tiers as above",
+                  [run(ta, label, PrefixSettings(**{**base, **kw}) if kw is not None else None,
+                       rate)
+                   for label, kw in (("no cache", None), ("FCFS", {}),
+                                     ("--prefix-schedule fpf", dict(schedule="fpf")),
+                                     ("--prefix-schedule relaxed-fpf",
+                                      dict(schedule="relaxed-fpf")),
+                                     ("FCFS --prefetch 8", dict(prefetch=8)),
+                                     ("relaxed-fpf --prefetch 8",
+                                      dict(schedule="relaxed-fpf", prefetch=8)))])
+
+    conv = chat(max(50, k // 5), seed=args.seed)
+    cache = PrefixSettings(device_gb=1.0, host_gb=16.0, disk_gb=64.0)
+    _prefix_table(f"chat: {len(conv)} turns of {max(50, k // 5)} conversations (one 512-token "
+                  "system prompt, histories offered after every turn); tiers 1 / 16 / 64 GB",
+                  [run(conv, "no cache", None), run(conv, "cache (FCFS, LRU)", cache),
+                   run(conv, "--prefetch 8", dataclasses.replace(cache, prefetch=8))])
+
+
+def _prefix_table(title, variants) -> None:
+    print(f"\n{title}\n")
+    print("| variant | tok/s | x no cache | TTFT p50 | TTFT p99 | found device / host / disk / "
+          "missed | prompt tokens covered | prefill saved s | restores s | offers s |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    none = variants[0][1]["output_tps"]
+    for label, r in variants:
+        pc = r.get("prefix_cache")
+        if pc:
+            h = pc["hit_rate"]
+            found = " / ".join(f"{(h[t] or 0):.1%}" for t in ("device", "host", "disk", "miss"))
+            cov = f"{pc['covered_tokens'] / pc['prompt_tokens']:.1%}"
+            extra = (f"{found} | {cov} | {pc['prefill_saved_s']:.0f} | {pc['restore_s']:.1f} | "
+                     f"{pc['offer_s']:.1f}")
+        else:
+            extra = "- | - | - | - | -"
+        print(f"| {label} | {r['output_tps']:.0f} | {r['output_tps'] / none:.2f} | "
+              f"{r['ttft_s']['p50']:.1f} s | {r['ttft_s']['p99']:.1f} s | {extra} |", flush=True)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("experiment", choices=["paper", "map"])
+    p.add_argument("experiment", choices=list(EXPERIMENTS))
     p.add_argument("--requests", type=int, default=None, help="first N requests of each trace")
     p.add_argument("--predictor", default="online", help="ODMA's length predictor")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=".", help="folder for map.png")
     args = p.parse_args()
-    if not TRACES.is_dir():
+    if args.experiment != "prefix" and not TRACES.is_dir():
         p.error(f"no traces at {TRACES} (set ODMA_TRACES)")
-    (paper if args.experiment == "paper" else map_)(args)
+    EXPERIMENTS[args.experiment](args)
     return 0
 
+
+EXPERIMENTS = {"paper": paper, "map": map_, "prefix": prefix}
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -464,8 +464,8 @@ def register(sub) -> None:
         "probe", help="measure streaming vs random bandwidth and classify RACM",
         description="Measure sustained sequential and random-read bandwidth on each device and "
                     "classify it as RACM (random-access-constrained) when random/sequential at the "
-                    "device's natural granule (64 B host and MLU, 32 B CUDA and LPDDR5 BL16) is "
-                    "below alpha. With no --device: every device found plus emu:lpddr5-6400.")
+                    "device's natural granule (32 B on CUDA GPUs, the sector they fetch; 64 B, the line "
+                    "their consumers request, on host, MLU and emulated memories) is below alpha. With no --device: every device found plus emu:lpddr5-6400.")
     p.add_argument("--device", action="append", metavar="SPEC",
                    help="host, cuda:N, mlu:N, torch:<device>, emu:<preset> (repeatable)")
     p.add_argument("--granularity", metavar="G,...",

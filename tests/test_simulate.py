@@ -311,3 +311,68 @@ def test_a_prefix_column_must_fit_its_prompt(tmp_path):
     from allocator.trace import load_trace
     with pytest.raises(BadArgument, match="prefix"):
         load_trace(bad)
+
+
+# ------------------------------------------------------------------------ the prefix cache
+def _ta(k=400, n=32, seed=5):
+    from allocator.serving.workloads import text_analysis
+
+    return text_analysis(k, n, seed=seed)
+
+
+def _tiers(trace, device, host, disk, **kw):
+    from allocator.serving.engine import PrefixSettings
+
+    per = float(np.mean(list(dict(zip(trace.prefix_id, trace.prefix_tokens)).values())))
+    gb = per * QWEN.kv_bytes_per_token / 1e9
+    return PrefixSettings(device_gb=device * gb, host_gb=host * gb, disk_gb=disk * gb, **kw)
+
+
+def _run_prefix(trace, prefix, rate=None):
+    return simulate(trace, ("odma",), (rate,), max_model_len=4096, prefix=prefix)[0]
+
+
+def test_a_prefix_cache_skips_the_prefill_of_covered_tokens_and_loses_no_request(mlu_timing):
+    t = _ta()
+    none = _run_prefix(t, None)
+    got = _run_prefix(t, _tiers(t, 4, 8, 32))
+    pc = got["prefix_cache"]
+    assert got["requests"] == none["requests"] == len(t)
+    assert got["output_tokens"] == none["output_tokens"] == int(t.generated.sum())
+    # one lookup per admission: a preempted request looks its prefix up again when readmitted
+    assert sum(pc["found"].values()) == pc["lookups"] == len(t) + got["preemptions"]
+    # each template is computed once (a miss) and then found; no request is covered beyond
+    # its prefix
+    assert pc["found"]["miss"] >= len(set(t.prefix_id))
+    assert 0 < pc["covered_tokens"] <= int(t.prefix_tokens.sum())
+    assert pc["prefill_saved_s"] > 0
+    assert got["output_tps"] > 1.5 * none["output_tps"]
+    assert got["floor_margin_min"] >= 1.0 and got["prefill_floor_margin_min"] >= 1.0
+
+
+def test_fastest_prefix_first_serves_device_prefixes_before_fcfs_would(mlu_timing):
+    t = _ta()
+    fcfs = _run_prefix(t, _tiers(t, 4, 8, 32))["prefix_cache"]["hit_rate"]
+    fpf = _run_prefix(t, _tiers(t, 4, 8, 32, schedule="fpf"))["prefix_cache"]["hit_rate"]
+    assert fpf["device"] > fcfs["device"] + 0.2
+
+
+def test_prefetch_moves_restores_off_the_critical_path(mlu_timing):
+    t = _ta()
+    plain = _run_prefix(t, _tiers(t, 4, 8, 32))["prefix_cache"]
+    ahead = _run_prefix(t, _tiers(t, 4, 8, 32, prefetch=16))["prefix_cache"]
+    assert ahead["found"]["disk"] < plain["found"]["disk"]
+    assert ahead["restore_s"] < plain["restore_s"]
+
+
+def test_a_cache_too_small_for_any_prefix_only_misses(mlu_timing):
+    t = _ta(200, 8)
+    tiny = _run_prefix(t, _tiers(t, 0.5, 0, 0))
+    assert tiny["prefix_cache"]["found"]["miss"] == len(t) + tiny["preemptions"]
+    assert tiny["prefix_cache"]["covered_tokens"] == 0
+    assert tiny["requests"] == len(t)
+
+
+def test_prefix_cache_on_a_trace_without_prefixes_exits_2(small_trace, capsys):
+    assert main(["simulate", "--trace", str(small_trace), "--prefix-cache"]) == 2
+    assert "names no prefixes" in capsys.readouterr().err

@@ -15,8 +15,10 @@ Scheduler (vLLM v0 style, iteration level):
 - No request is lost: the simulation ends when every request has made all its tokens.
 
 Step time (one card of the group; TP cards work in parallel on their shares):
-    decode = weights / (seq GB/s) + sum over running requests of their KV runs / (run GB/s)
-             + layers x layer overhead + batch x request overhead + all-reduce (TP > 1)
+    decode = max(memory, compute) + layers x layer overhead + batch x request overhead
+             + all-reduce (TP > 1), where
+      memory = weights / (seq GB/s) + sum over running requests of their KV runs / (run GB/s),
+      compute = the batch's FLOPs (weights and attention over each context) / (peak x MFU)
     prefill = max(FLOPs / (peak x MFU), bytes / seq GB/s) + layers x layer overhead + all-reduce
     migration = 2 x bytes copied / copy GB/s (the copy counts read + write)
 KV runs by layout, per card with h KV heads, head_dim x 2 B = g bytes per token per run:
@@ -137,7 +139,7 @@ class ServingSetup:
 
 class RequestState:
     __slots__ = ("rid", "prompt", "gen", "made", "arrival", "first_token", "finish",
-                 "preemptions", "predicted", "start_step", "start_ctx", "a", "slope", "ab",
+                 "preemptions", "predicted", "start_step", "a", "slope", "ab",
                  "sb", "epoch", "cap", "prefix", "prefix_tokens", "offer", "covered")
 
     def __init__(self, rid, prompt, gen, arrival, prefix="", prefix_tokens=0, offer=""):
@@ -150,8 +152,7 @@ class RequestState:
         self.finish = None
         self.preemptions = 0
         self.predicted = None       # (L, u) made once, before the first admission
-        self.start_step = 0         # decode step at which `start_ctx` holds
-        self.start_ctx = 0
+        self.start_step = 0         # decode step at which `made` holds
         self.a = 0.0                # KV seconds at step s = a + s x slope
         self.slope = 0.0
         self.ab = 0.0               # KV bytes at step s = ab + s x sb
@@ -369,23 +370,25 @@ class Simulation:
             if self.layout == "contiguous" and r.gen - r.made > RELINEARIZE:
                 heapq.heappush(events, (base + RELINEARIZE, 2, i, e))
 
-        def finish(i, r, t) -> float:
-            """Complete request i at time t; returns seconds its offers to the cache took."""
+        def finish(i, r, t) -> None:
+            """Complete request i at time t. Its offers to the cache (a copy into the device
+            tier and the demotions that make room) run on the copy engine beside compute, as
+            prefetches do: they delay later restores and prefetches, not the decode steps."""
             nonlocal done
             blk = alloc.block(i)
-            offered = 0.0
             if cache is not None:
+                offered = 0.0
                 if r.prefix and tier_of(r) is None:    # a prefix it computed: keep it
                     offered += cache.offer(r.prefix, blk, r.prefix_tokens)
                 if r.offer:                            # its whole context, for a next turn
                     offered += cache.offer(r.offer, blk, r.prompt + r.gen)
                 tot["prefix_offer"] += offered
+                dma_busy_until[0] = max(dma_busy_until[0], t) + offered
             alloc.release(i, r.prompt + r.gen - blk.prompt_tokens)
             self.predictor.observe(Request(i, r.prompt, r.gen), r.gen)
             r.made = r.gen
             r.finish = t
             done += 1
-            return offered
 
         def preempt(i, r):
             if i in running:
@@ -403,7 +406,7 @@ class Simulation:
 
         cache = self.cache
         schedule_rule = self.prefix.schedule if self.prefix else "fcfs"
-        dma_busy_until = [now]          # prefetches run on the host link, beside compute
+        dma_busy_until = [now]          # prefetches and offers: the copy engine, beside compute
 
         def tier_of(r):
             return cache.lookup(r.prefix)[0] if cache is not None and r.prefix else None
@@ -472,7 +475,7 @@ class Simulation:
                 tokens += held - covered
             if not admitted:
                 return 0.0
-            if restore and dma_busy_until[0] > now:    # a restore waits for prefetches
+            if restore and dma_busy_until[0] > now:    # a restore waits for the copy engine
                 restore += dma_busy_until[0] - now
             parts = [(h, c) for _, _, h, c in admitted]
             secs, flops, nbytes = prefill_seconds(parts)
@@ -507,7 +510,7 @@ class Simulation:
                     preempt(i, r)
                     continue
                 if r.made >= r.gen:                    # a one-token request is done
-                    stall += finish(i, r, end)
+                    finish(i, r, end)
                     continue
                 r.start_step = step
                 r.cap = blk.capacity_tokens
@@ -587,7 +590,7 @@ class Simulation:
                 if kind == 0:
                     add(r, -1)
                     del running[i]
-                    stall += finish(i, r, now)
+                    finish(i, r, now)
                     continue
                 r.made += at - r.start_step
                 r.start_step = at
@@ -714,7 +717,7 @@ def summarise(trace, policy, setup, results, reqs, replicas, dropped, truncated,
     e2e = [q.finish - q.arrival for q in reqs]
     tpot = [(q.finish - q.first_token) / (q.gen - 1) for q in reqs if q.gen > 1]
     decode = tot["decode"] or 1e-30
-    busy = tot["decode"] + tot["prefill"] + tot["migration"] + tot["prefix_offer"]
+    busy = tot["decode"] + tot["prefill"] + tot["migration"]
     used = sum(r["used_tokens"] for r in results)
     reserved = sum(r["reserved_tokens"] for r in results)
     alloc_stats = [r["allocator"] for r in results]
