@@ -149,8 +149,8 @@ def map_(args) -> None:
     ax.set_yticks(y, labels, fontsize=8)
     ax.invert_yaxis()
     ax.set_xlabel("paged tok/s / ODMA tok/s  (> 1: paging wins, red; < 1: ODMA wins, blue)")
-    ax.set_title("Where paging beats contiguous ODMA blocks (Azure conversation trace, "
-                 "saturating load, DeepSeek-R1-Distill-Qwen-7B)")
+    ax.set_title("Where paging beats contiguous ODMA blocks\n(Azure conversation trace, "
+                 "saturating load, DeepSeek-R1-Distill-Qwen-7B)", fontsize=10)
     ax.grid(axis="x", alpha=0.3)
     fig.tight_layout()
     out = Path(args.out)

@@ -376,3 +376,20 @@ def test_a_cache_too_small_for_any_prefix_only_misses(mlu_timing):
 def test_prefix_cache_on_a_trace_without_prefixes_exits_2(small_trace, capsys):
     assert main(["simulate", "--trace", str(small_trace), "--prefix-cache"]) == 2
     assert "names no prefixes" in capsys.readouterr().err
+
+
+def test_a_live_torch_timing_drives_a_simulation_above_the_floor():
+    from allocator.serving.timing import live_timing
+
+    t = live_timing("torch:cpu", sizes=(4096, 65536), buffer_bytes=16 << 20)
+    assert t.source == "live:torch:cpu" and t.seq_gbps > 0
+    gbps = t.run_gbps(np.array([4096.0, 65536.0, 1 << 24]))
+    assert (gbps > 0).all() and (gbps <= t.seq_gbps).all()
+    trace = synthetic(60)
+    r = run_policy(trace, arrival_seconds(trace, 5.0), "odma", setup(t))
+    assert r["requests"] == 60 and r["floor_margin_min"] >= 1.0
+
+
+def test_an_unknown_timing_source_is_refused_in_one_line(small_trace, capsys):
+    assert main(["simulate", "--trace", str(small_trace), "--timing", "live:cuda:0"]) == 2
+    assert "live:torch:DEVICE" in capsys.readouterr().err

@@ -320,11 +320,12 @@ def probe_timing(path: str, device: str | None = None) -> MeasuredTiming:
     return MeasuredTiming(f"probe:{e.get('device', '?')}", runs, seq, copy)
 
 
-def live_timing(spec: str, sizes=(4096, 16384, 65536, 262144, 1 << 20)) -> MeasuredTiming:
+def live_timing(spec: str, sizes=(4096, 16384, 65536, 262144, 1 << 20),
+                buffer_bytes: int | None = None) -> MeasuredTiming:
     """Run-read bandwidths measured now on a torch device (`live:torch:cpu`)."""
     from allocator.serving.live import measure_run_bandwidth
 
-    m = measure_run_bandwidth(spec, list(sizes))
+    m = measure_run_bandwidth(spec, list(sizes), buffer_bytes=buffer_bytes)
     return MeasuredTiming(f"live:{m['device']}", m["runs_gbps"], m["seq_gbps"], m["copy_gbps"])
 
 
