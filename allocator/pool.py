@@ -242,12 +242,13 @@ class BlockPin:
     __slots__ = ("block", "writing", "location", "_held")
 
     def __init__(self, block: PinnedBlock, nbytes: int, writing: bool):
-        location = block._location()
+        block._location()             # a block that cannot be pinned raises before any count
         block._pin(0, nbytes, writing)
         self.block = block
         self.writing = writing
-        self.location = location
         self._held = True
+        # read once pinned: a released or migrated-away block has refused the pin by now
+        self.location = block._location()
 
     def release(self) -> None:
         with self.block._owner._lock:

@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 from allocator import OracleAllocator
-from allocator.prefix import PrefixCache
+from allocator.prefix import TIERS, PrefixCache
 from odma_hw import devices
 
 BPT = 57_344          # DeepSeek-R1-Distill-Qwen-7B, bf16 KV
@@ -59,12 +59,11 @@ class Rig:
 
     def put(self, tier: str) -> None:
         """Move `p` to `tier` (untimed set-up)."""
-        order = ("device", "host", "disk")
         where = self.cache.lookup("p")[0]
-        if order.index(where) > order.index(tier):
+        if TIERS.index(where) > TIERS.index(tier):
             self.cache.prefetch(["p"])
             where = self.cache.lookup("p")[0]
-        while where != tier and order.index(where) < order.index(tier):
+        while where != tier and TIERS.index(where) < TIERS.index(tier):
             self.cache.evict(where, 1)
             where = self.cache.lookup("p")[0]
         assert where == tier, (where, tier)

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from allocator import OracleAllocator
-from allocator.errors import AllocatorClosed, InvariantBroken
+from allocator.errors import AllocatorClosed, InvariantBroken, StaleBlock
 from allocator.prefix import (EVICTIONS, TIERS, PrefixCache, TierBandwidth, prefix_key)
 from allocator.prefix import cache as cache_module
 from allocator.prefix import disk as disk_module
@@ -682,3 +682,44 @@ def test_a_closed_cache_refuses_calls_and_close_is_idempotent():
     c.close()
     with pytest.raises(AllocatorClosed):
         c.lookup("p")
+
+
+def test_bad_input_raises_one_clear_error_and_changes_nothing(rigs):
+    rig = rigs("host", device_bytes=64 * BPT)
+    rig.offer("p", 20)
+    before = rig.cache.stats()
+    with pytest.raises(BadArgument, match="UTF-8"):
+        rig.cache.lookup("\ud800")            # a lone surrogate cannot name a disk file
+    blk = rig.block(25)
+    with pytest.raises(BadArgument):          # 0 tokens is no prefix, not a collision
+        rig.cache.restore("p", blk, 0)
+    rig.requests.release(blk.request_id)
+    with pytest.raises(StaleBlock):           # a released block: the entry stays, nothing counted
+        rig.cache.offer("p", blk, 25)
+    with pytest.raises(StaleBlock):
+        rig.cache.restore("p", blk, 20)
+    assert rig.cache.lookup("p") == ("device", 20)
+    assert rig.cache.stats() == before
+    rig.cache.check()
+
+
+@pytest.mark.parametrize("spec", ["host", None], ids=ids)
+def test_an_entry_dropped_while_a_prefetch_finds_no_room_is_freed(rigs, monkeypatch, spec):
+    rig = rigs(spec, device_bytes=8 * BPT, host_bytes=64 * BPT)
+    rig.offer("p", 8)
+    rig.offer("x", 8)                         # p demoted to host; x fills the device tier
+    assert rig.cache.lookup("p") == ("host", 8)
+    real_make_room = rig.cache._make_room
+    dropped = []
+
+    def make_room_after_a_collision(tier, e, protect):
+        if e.key == "p" and e.tokens == 8 and not dropped:
+            dropped.append(True)
+            rig.offer("p", 5)                 # another request re-offers p: the moving p is dropped
+        return real_make_room(tier, e, protect)
+
+    monkeypatch.setattr(rig.cache, "_make_room", make_room_after_a_collision)
+    rig.cache.prefetch(["p", "x"])            # no device room without evicting p or x
+    assert dropped and rig.cache.lookup("p")[1] == 5
+    assert rig.cache.stats()["prefetched"] == 0
+    rig.cache.check()                         # the old p's host block was given back

@@ -1,5 +1,5 @@
 """PrefixCache: prompt prefixes' KV bytes kept across requests in three tiers, device -> host ->
-disk, as exact-size contiguous blocks (the prefix-cache paper's design, for contiguous KV).
+disk, as exact-size contiguous blocks.
 
     offer(key, block, tokens)   a request computed a prefix: copy its first `tokens` tokens into
                                 the device tier (demoting others: device -> host -> disk -> dropped)
@@ -19,14 +19,17 @@ Tiers
   most (headers counted). Files outlive the cache: a new cache on the same directory re-indexes
   them after checking their headers (payload checksums are checked on every read).
 
-Capacities are bytes. Both pools round blocks up to POOL_ALIGNMENT bytes on every device, and in
-accounting mode too, so the same calls make the same decisions with bytes or without.
+Capacities are bytes. Both pools round blocks up to POOL_ALIGNMENT bytes (or the device's own
+alignment where that is larger; no supported device's is), in accounting mode too, so the same calls
+make the same decisions with bytes or without.
 
 Eviction (lru, fifo, random: allocator/prefix/order.py) picks victims per tier; a victim moves
 one tier down (to the next tier that can hold it), making room there the same way; the bottom
-tier drops it. Promotion goes straight to the device tier, as in the paper: a restore from host or
-disk queues the entry's move to the device tier (copied from the request's freshly restored block,
-a device-internal copy) and a prefetch moves entries up synchronously.
+tier drops it. Promotion goes straight to the device tier, skipping host on the way up from disk: a
+prefix just reused is the likeliest to be reused next, and a restore from the device tier is one
+device copy. A restore from host or disk queues the entry's move to the device tier (copied from the
+request's freshly restored block, a device-internal copy) and a prefetch moves entries up
+synchronously.
 
 Integrity
 ---------
@@ -38,9 +41,10 @@ different from the entry's is a key collision: the entry is dropped, nothing is 
 
 Seconds
 -------
-Every call returns the seconds its transfers took: wall-clock on real devices (host, torch,
-CUDA, MLU); modelled from TierBandwidth in accounting mode (device=None) and on emulated devices
-(whose own Device.copy models device-internal copies). A restore returns its critical path:
+offer, restore and prefetch return the seconds their transfers took (evict's are in
+stats()["moved_seconds"]): wall-clock on real devices (host, torch, CUDA, MLU); modelled from
+TierBandwidth in accounting mode (device=None) and on emulated devices (whose own Device.copy
+models device-internal copies). A restore returns its critical path:
 the copy into the request's block, checksum included; the promotion that follows runs on a
 background thread (real devices) and its seconds are reported in stats()["background_seconds"].
 
@@ -48,7 +52,8 @@ Threads
 -------
 One lock guards the index and both pools' bookkeeping; bytes move outside it. An entry being read
 by a restore is pinned and never chosen as a victim; an entry being moved is marked moving, and
-a restore of it waits until it settles. Request blocks are pinned (BlockPin) while bytes move in or
+a restore of it waits until it settles; an entry dropped meanwhile is freed by the thread moving or
+reading it when that thread lets go. Request blocks are pinned (BlockPin) while bytes move in or
 out of them, so a release waits for the copy. Every public call first waits for background
 promotions to finish, so a single-threaded caller sees exactly the decisions accounting mode makes.
 """
@@ -261,7 +266,9 @@ class PrefixCache:
         self.moved_bytes: dict = collections.defaultdict(int)
         self.moved_seconds: dict = collections.defaultdict(float)
         self.background_seconds = 0.0
-        self.background_errors: list = []     # what failed promotions raised (kept for stats)
+        # what the latest failed promotions raised (stats() shows them; bounded, as a long run
+        # may fail many)
+        self.background_errors: collections.deque = collections.deque(maxlen=10)
         self.offers = 0
         self.promotions = 0
         self.prefetched = 0
@@ -351,7 +358,12 @@ class PrefixCache:
     def _key(key) -> str:
         if not isinstance(key, str):
             raise BadArgument(f"a prefix key must be a string, got {key!r}")
-        if len(key) * 4 > disk.MAX_KEY_BYTES and len(key.encode()) > disk.MAX_KEY_BYTES:
+        try:                                     # the disk tier names and stores keys as UTF-8
+            raw = key.encode()
+        except UnicodeEncodeError:
+            raise BadArgument("a prefix key must be encodable as UTF-8 (no lone surrogates)") \
+                from None
+        if len(raw) > disk.MAX_KEY_BYTES:
             raise BadArgument(f"a prefix key must be at most {disk.MAX_KEY_BYTES} UTF-8 bytes")
         return key
 
@@ -385,9 +397,8 @@ class PrefixCache:
             self._orders[e.tier].remove(e)
 
     def _could_hold(self, tier: str, e: _Entry) -> bool:
-        if tier == "disk":
-            return (self.capacity["disk"] >= disk.file_bytes(e.nbytes)
-                    and (self._disk_dir is not None or not self.holds_bytes))
+        if tier == "disk":         # a disk tier with bytes always has its directory (__init__)
+            return self.capacity["disk"] >= disk.file_bytes(e.nbytes)
         pool = self._pools[tier]
         return pool is not None and e.tokens <= pool.max_tokens
 
@@ -431,6 +442,33 @@ class PrefixCache:
         pair = f"{src}->{dst}"
         self.moved_bytes[pair] += nbytes
         self.moved_seconds[pair] += seconds
+
+    @contextlib.contextmanager
+    def _locked(self):
+        """The lock, and a list for the paths of files to remove: they are removed once the lock
+        is released (file system calls can be slow), whatever happened under it."""
+        unlink: list = []
+        try:
+            with self._lock:
+                yield unlink
+        finally:
+            for path in unlink:
+                disk.remove(path)
+
+    def _let_go(self, e: _Entry, unlink: list) -> None:
+        """This thread stopped moving `e` (it cleared e.moving) or reading it (it dropped its
+        pin). An entry dropped meanwhile (doomed) has its storage freed once no thread moves or
+        reads it any more; threads waiting for `e` to settle are woken."""
+        if e.doomed and not e.moving and not e.pins and e.tier is not None:
+            self._free(e.tier, e.storage, e.size, unlink)
+            e.tier = None
+        self._cond.notify_all()
+
+    def _stop_moving(self, e: _Entry) -> None:
+        """Lock not held. `e` stays where it is: clear its moving mark and let go."""
+        with self._locked() as unlink:
+            e.moving = False
+            self._let_go(e, unlink)
 
     # -- moving bytes (no lock held) ------------------------------------------------------------
     def _transfer(self, e: _Entry, src: str, src_storage, dst: str, dst_storage,
@@ -548,14 +586,14 @@ class PrefixCache:
 
     @contextlib.contextmanager
     def _settles(self, e: _Entry):
-        """Clear e.moving if an unexpected error escapes while `e` is being moved, so that a
-        restore waiting for it never hangs."""
+        """Let go of `e` if an unexpected error escapes while this thread moves it, so that a
+        restore waiting for it never hangs and a dropped entry's room is not leaked. Every
+        _move() runs inside one (it leaves e.moving to this on such an error)."""
         try:
             yield
         except BaseException:
-            with self._lock:
-                e.moving = False
-                self._cond.notify_all()
+            if e.moving:
+                self._stop_moving(e)
             raise
 
     def _demote(self, v: _Entry, protect: frozenset) -> float:
@@ -573,25 +611,21 @@ class PrefixCache:
             room, s = self._make_room(lower, v, protect)
             seconds += s
             if room is not None:
-                return seconds + self._move(v, src, lower, room, v.storage, evicted=True)
-        unlink: list = []
-        with self._lock:
+                return seconds + self._move(v, src, lower, room, v.storage, evicted=True)[0]
+        with self._locked() as unlink:
             self.evictions[src] += 1
-            v.moving = False
             if not v.doomed:
-                self._drop(v, "full", unlink)
-            else:
-                self._free(src, v.storage, v.size, unlink)
-                v.tier = None
-            self._cond.notify_all()
-        for path in unlink:
-            disk.remove(path)
+                self._drop(v, "full", unlink)    # still moving: only marked doomed
+            v.moving = False
+            self._let_go(v, unlink)              # frees it
         return seconds
 
-    def _move(self, e: _Entry, src: str, dst: str, room, src_storage, *, evicted: bool) -> float:
-        """Move `e` (marked moving) from `src` (its tier, or "request" for a promotion copied
-        from a request's block `src_storage`) into the reserved `room` of tier `dst`; settle the
-        index. A failed transfer drops the entry. Returns seconds."""
+    def _move(self, e: _Entry, src: str, dst: str, room, src_storage, *,
+              evicted: bool) -> tuple[float, bool]:
+        """Move `e` (marked moving, inside _settles(e)) from `src` (its tier, or "request" for a
+        promotion copied from a request's block `src_storage`) into the reserved `room` of tier
+        `dst`; settle the index. A failed transfer drops the entry. Returns (seconds, whether
+        `e` is now in `dst`)."""
         storage, size = room
         failure = None
         try:
@@ -599,36 +633,26 @@ class PrefixCache:
         except _Failed as exc:
             failure, seconds = exc.args
         except BaseException:
-            with self._lock:
-                unlink: list = []
+            with self._locked() as unlink:
                 self._free(dst, storage, size, unlink)
-                e.moving = False
-                self._cond.notify_all()
-            for path in unlink:
-                disk.remove(path)
             raise
-        unlink = []
-        with self._lock:
+        with self._locked() as unlink:
             old_tier = e.tier
             self._account(src, dst, e.nbytes, seconds)
             if evicted:
                 self.evictions[old_tier] += 1
-            if failure is not None or e.doomed:
-                self._free(dst, storage, size, unlink)
-                if not e.doomed:
-                    self._drop(e, failure, unlink)
-                    e.moving = False                 # _drop saw it moving: free it here
-                self._free(old_tier, e.storage, e.size, unlink)
-                e.tier = None
-            else:
+            moved = failure is None and not e.doomed
+            if moved:
                 self._orders[old_tier].remove(e)
                 self._free(old_tier, e.storage, e.size, unlink)
                 self._settle_in(e, dst, storage, size)
+            else:
+                self._free(dst, storage, size, unlink)
+                if not e.doomed:
+                    self._drop(e, failure, unlink)   # still moving: only marked doomed
             e.moving = False
-            self._cond.notify_all()
-        for path in unlink:
-            disk.remove(path)
-        return seconds
+            self._let_go(e, unlink)                  # frees a doomed entry's old storage
+        return seconds, moved
 
     # -- background promotion ------------------------------------------------------------------------
     def _submit(self, job) -> None:
@@ -681,27 +705,26 @@ class PrefixCache:
         with self._settles(e):
             room, seconds = self._make_room("device", e, frozenset())
             if room is None:
-                with self._lock:
-                    e.moving = False
-                    self._cond.notify_all()
+                self._stop_moving(e)
                 return seconds
-            if source is None:
-                seconds += self._move(e, e.tier, "device", room, e.storage, evicted=False)
-            else:
-                seconds += self._move(e, "request", "device", room, source, evicted=False)
-        with self._lock:
-            self.promotions += 1
-        return seconds
+            src, src_storage = (e.tier, e.storage) if source is None else ("request", source)
+            s, moved = self._move(e, src, "device", room, src_storage, evicted=False)
+        if moved:
+            with self._lock:
+                self.promotions += 1
+        return seconds + s
 
-    def _promote_in_background(self, e: _Entry, source_pin) -> None:
+    def _promote_in_background(self, e: _Entry, source) -> None:
+        """Promote `e` from `source` (a BlockPin of the request's block holding its bytes,
+        released here; the block itself in accounting mode) on the promotion worker."""
         def job():
             try:
-                s = self._promote(e, source_pin)
+                s = self._promote(e, source)
                 with self._lock:
                     self.background_seconds += s
             finally:
-                if isinstance(source_pin, BlockPin):
-                    source_pin.release()
+                if isinstance(source, BlockPin):
+                    source.release()
 
         if self.holds_bytes:
             self._submit(job)
@@ -725,15 +748,23 @@ class PrefixCache:
         (0, 0.0); a key collision (tokens given and different) drops the entry and returns
         (0, 0.0); bad bytes (checksum) or a failed read drop the entry and return (0, seconds
         spent). Covers min(entry's tokens, block's capacity) tokens; a partial restore does not
-        promote."""
+        promote. `tokens`, when given, must be > 0 (no entry has 0 tokens: 0 would only ever
+        drop the entry as a collision)."""
         key = self._key(key)
-        want = None if tokens is None else count("tokens", tokens)
+        want = None if tokens is None else positive_count("tokens", tokens)
         cap = self._check_block(block, "restore")
         with self._op():
-            return self._restore(key, block, want, cap)
+            # pin the block first: one that cannot take the bytes (stale, released, too small
+            # for `cap` tokens) raises here, before the cache changes anything
+            pin = block.pin(cap * self.bytes_per_token, writing=True) if self.holds_bytes else None
+            try:
+                return self._restore(key, block, want, cap, pin)
+            finally:
+                if pin is not None:
+                    pin.release()
 
-    def _restore(self, key: str, block, want: int | None, cap: int) -> tuple[int, float]:
-        with self._lock:
+    def _restore(self, key: str, block, want: int | None, cap: int, pin) -> tuple[int, float]:
+        with self._locked() as unlink:
             e = self._index.get(key)
             while e is not None and e.moving:
                 self._cond.wait()
@@ -742,10 +773,7 @@ class PrefixCache:
                 self.misses += 1
                 return 0, 0.0
             if want is not None and want != e.tokens:
-                unlink: list = []
                 self._drop(e, "collision", unlink)
-                for path in unlink:           # rare: a file removal under the lock
-                    disk.remove(path)
                 self.misses += 1
                 return 0, 0.0
             cover = min(e.tokens, cap)
@@ -757,35 +785,27 @@ class PrefixCache:
             self._touch(e)
         n = cover * self.bytes_per_token
         failure = None
-        seconds = 0.0
-        pin = None
         try:
-            if self.holds_bytes:
-                pin = block.pin(n, writing=True)
             seconds = self._transfer(e, tier, e.storage, "request", pin, n)
         except _Failed as exc:
             failure, seconds = exc.args
-        finally:
-            if pin is not None:
-                pin.release()
-            unlink: list = []
-            with self._lock:
+        except BaseException:
+            with self._locked() as unlink:
                 e.pins -= 1
-                self._account(tier, "request", n, seconds)
-                if failure is not None:
-                    self.misses += 1
-                    if not e.doomed:
-                        self._drop(e, failure, unlink)
-                if e.doomed and not e.pins and not e.moving and e.tier is not None:
-                    self._free(e.tier, e.storage, e.size, unlink)
-                    e.tier = None
-                self._cond.notify_all()
-            for path in unlink:
-                disk.remove(path)
+                self._let_go(e, unlink)
+            raise
+        with self._locked() as unlink:
+            e.pins -= 1
+            self._account(tier, "request", n, seconds)
+            if failure is not None:
+                self.misses += 1
+                if not e.doomed:
+                    self._drop(e, failure, unlink)
+            self._let_go(e, unlink)
         if failure is not None:
             return 0, seconds
         if hasattr(block, "mark_written"):
-            block.mark_written(n)
+            block.mark_written(n)     # under the caller's pin: a migration cannot slip in between
         with self._lock:
             self.hits[tier] += 1
             self.covered_tokens += cover
@@ -811,24 +831,24 @@ class PrefixCache:
             return self._offer(key, block, tokens)
 
     def _offer(self, key: str, block, tokens: int) -> float:
-        with self._lock:
-            self.offers += 1
-            old = self._index.get(key)
-            if old is not None:
-                if old.tokens == tokens:
-                    self._touch(old)
-                    return 0.0
-                unlink: list = []
-                self._drop(old, "collision", unlink)
-                for path in unlink:           # rare: a file removal under the lock
-                    disk.remove(path)
-            e = _Entry(key, tokens, tokens * self.bytes_per_token, next(self._eids))
-            e.moving = True
-            self._tick += 1
-            e.last_use = self._tick
-        seconds = 0.0
-        pin = block.pin(e.nbytes, writing=False) if self.holds_bytes else block
+        # pin the block first: one that cannot give the bytes (stale, released, too small) raises
+        # here, before a colliding entry is dropped or anything is counted
+        nbytes = tokens * self.bytes_per_token
+        pin = block.pin(nbytes, writing=False) if self.holds_bytes else block
         try:
+            with self._locked() as unlink:
+                self.offers += 1
+                old = self._index.get(key)
+                if old is not None:
+                    if old.tokens == tokens:
+                        self._touch(old)
+                        return 0.0
+                    self._drop(old, "collision", unlink)
+                e = _Entry(key, tokens, nbytes, next(self._eids))
+                e.moving = True
+                self._tick += 1
+                e.last_use = self._tick
+            seconds = 0.0
             for tier in TIERS:
                 if not self._could_hold(tier, e):
                     continue
@@ -847,20 +867,15 @@ class PrefixCache:
         """Copy a new entry from the request's block into its reserved room and index it."""
         storage, size = room
         failure = None
-        seconds = 0.0
         try:
             seconds = self._transfer(e, "request", source, tier, storage)
         except _Failed as exc:
             failure, seconds = exc.args
         except BaseException:
-            unlink = []
-            with self._lock:
+            with self._locked() as unlink:
                 self._free(tier, storage, size, unlink)
-            for path in unlink:
-                disk.remove(path)
             raise
-        unlink: list = []
-        with self._lock:
+        with self._locked() as unlink:
             self._account("request", tier, e.nbytes, seconds)
             e.moving = False
             if failure is not None or self._closed or e.key in self._index:
@@ -871,8 +886,6 @@ class PrefixCache:
                 self._settle_in(e, tier, storage, size)
                 self._index[e.key] = e
             self._cond.notify_all()
-        for path in unlink:
-            disk.remove(path)
         return seconds
 
     def prefetch(self, keys) -> float:
@@ -909,15 +922,14 @@ class PrefixCache:
                     room, s = self._make_room(target, e, protect)
                     seconds += s
                     if room is not None:
-                        seconds += self._move(e, src, target, room, e.storage, evicted=False)
-                        moved = True
+                        s, moved = self._move(e, src, target, room, e.storage, evicted=False)
+                        seconds += s
                         break
-            with self._lock:
-                if moved:
+                else:                             # no room above: it stays where it is
+                    self._stop_moving(e)
+            if moved:
+                with self._lock:
                     self.prefetched += 1
-                else:
-                    e.moving = False
-                    self._cond.notify_all()
         return seconds
 
     def evict(self, tier: str, nbytes: int) -> None:
@@ -952,7 +964,7 @@ class PrefixCache:
                 entries[e.tier] += 1
                 payload[e.tier] += e.nbytes
                 reserved[e.tier] += e.size
-            lookups = sum(self.hits.values()) + self.misses
+            restores = sum(self.hits.values()) + self.misses
             return {
                 "device": None if self.device is None else self.device.spec,
                 "host_memory": None if self._host_device is None else self._host_device.spec,
@@ -964,10 +976,10 @@ class PrefixCache:
                 "entries": entries,
                 "bytes": payload,
                 "reserved_bytes": reserved,
-                "restores": lookups,
+                "restores": restores,
                 "hits": dict(self.hits),
                 "misses": self.misses,
-                "hit_rate": {t: (self.hits[t] / lookups if lookups else None) for t in TIERS},
+                "hit_rate": {t: (self.hits[t] / restores if restores else None) for t in TIERS},
                 "covered_tokens": self.covered_tokens,
                 "offers": self.offers,
                 "promotions": self.promotions,
@@ -977,15 +989,16 @@ class PrefixCache:
                 "moved_bytes": dict(self.moved_bytes),
                 "moved_seconds": dict(self.moved_seconds),
                 "background_seconds": self.background_seconds,
-                "background_errors": list(self.background_errors[-10:]),
+                "background_errors": list(self.background_errors),
                 "reindexed": self.reindexed,
             }
 
     def check(self) -> None:
         """Verify the invariants (InvariantBroken if one fails): every indexed entry is in
-        exactly its tier's order and holds a live block of its size (device, host) or a file of
-        its size (disk); each tier's reserved bytes match its pool (or the disk count) and stay
-        within its capacity; no entry is left moving, pinned or doomed once calls return."""
+        exactly its tier's order and holds a live block of its size (device, host) or a file path
+        and a file size matching its payload (disk; the file itself is checked when read); each
+        tier's reserved bytes match its pool (or the disk count) and stay within its capacity; no
+        entry is left moving, pinned or doomed once calls return."""
         self._drain()
         with self._lock:
             members = {t: set(self._orders[t].members()) for t in TIERS}
@@ -1002,9 +1015,8 @@ class PrefixCache:
                         f"entry {key!r} is left moving/pinned/doomed")
                 if e.tier == "disk":
                     require(e.size == disk.file_bytes(e.nbytes), f"entry {key!r}: disk size off")
-                    if self.holds_bytes:
+                    if self.holds_bytes:        # disk reads are checked whatever `verify` says
                         require(isinstance(e.storage, str), f"entry {key!r} has no file")
-                    if self.holds_bytes and self.verify:
                         require(e.checksum is not None, f"entry {key!r} on disk has no checksum")
                 else:
                     pool = self._pools[e.tier]
@@ -1044,7 +1056,8 @@ class PrefixCache:
     def close(self) -> None:
         """Wait for background promotions, free the device and host tiers' memory, close devices
         the cache opened. Disk files stay (a new cache on the directory re-indexes them).
-        Idempotent; every call after it raises AllocatorClosed."""
+        Idempotent; after it lookup, restore, offer, prefetch and evict raise AllocatorClosed
+        (stats() and check() still answer, for an empty cache)."""
         with self._lock:
             if self._closed:
                 return
@@ -1066,4 +1079,5 @@ class PrefixCache:
                 f"{self.bytes_per_token} B/token, {caps}, {self.eviction})")
 
 
-__all__ = ["TIERS", "EVICTIONS", "DROP_REASONS", "prefix_key", "PrefixCache", "TierBandwidth"]
+__all__ = ["TIERS", "EVICTIONS", "DROP_REASONS", "POOL_ALIGNMENT", "prefix_key", "PrefixCache",
+           "TierBandwidth"]

@@ -44,7 +44,7 @@ _FIXED = struct.Struct("<8sIIIIQQQ16s")   # magic, version, header bytes, key le
 _CRC = struct.Struct("<I")
 WRITE_CHUNK = 64 << 20                    # os.write moves at most ~2 GiB per call on Linux
 _os_write = os.write                      # the one write call (tests fail it on purpose)
-_NAME = re.compile(r"([0-9a-f]{32})\.[0-9a-f]{8}\.kv")
+_NAME = re.compile(r"([0-9a-f]{32})\.[0-9a-f]{8}" + re.escape(SUFFIX))
 
 
 class CorruptFile(Exception):
@@ -198,7 +198,8 @@ def scan(directory: str, bytes_per_token: int):
         return valid, bad
     for name in names:
         path = os.path.join(directory, name)
-        if name.startswith(".") and name.endswith(TMP_SUFFIX) and _NAME.fullmatch(name[1:-4]):
+        if (name.startswith(".") and name.endswith(TMP_SUFFIX)
+                and _NAME.fullmatch(name[1:-len(TMP_SUFFIX)])):
             with contextlib.suppress(OSError):
                 os.unlink(path)
             continue
@@ -224,5 +225,8 @@ def scan(directory: str, bytes_per_token: int):
 
 
 def remove(path: str) -> None:
-    with contextlib.suppress(FileNotFoundError):
+    """Remove the file of an entry the cache no longer holds. A failure is not raised: the cache's
+    state already changed, and a leftover file is never served unchecked. It takes disk space the
+    tier no longer counts until the next cache on the directory re-indexes it (or trims it)."""
+    with contextlib.suppress(OSError):
         os.unlink(path)

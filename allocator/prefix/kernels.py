@@ -29,7 +29,6 @@ GIL); partial sums combine exactly: b = sum_c (b_c + (N - end_c) * a_c).
 from __future__ import annotations
 
 import hashlib
-import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -38,6 +37,8 @@ from llvmlite import ir
 from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
+
+from odma_hw.devices.host import usable_cpus
 
 LINE = 64                     # bytes per line
 LANES = 8                     # uint64 words per line
@@ -137,7 +138,8 @@ _pool: ThreadPoolExecutor | None = None
 
 
 def _threads() -> int:
-    return max(1, os.cpu_count() or 1)
+    """The CPUs this process may run on (its affinity mask, not the whole machine's count)."""
+    return usable_cpus()
 
 
 def _executor() -> ThreadPoolExecutor:
@@ -184,8 +186,10 @@ def _run(dst, src: np.ndarray) -> bytes:
 
 
 def as_bytes(data) -> np.ndarray:
-    """A flat uint8 numpy view of a bytes-like object (no copy)."""
-    return np.frombuffer(data, np.uint8) if not isinstance(data, np.ndarray) else data.view(np.uint8)
+    """A flat uint8 numpy view of a bytes-like object or a contiguous array (no copy)."""
+    if not isinstance(data, np.ndarray):
+        return np.frombuffer(data, np.uint8)
+    return data.reshape(-1).view(np.uint8)
 
 
 def digest(src) -> bytes:

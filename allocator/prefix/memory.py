@@ -14,7 +14,7 @@ import time
 import numpy as np
 
 from odma_hw import devices as _devices
-from odma_hw.errors import DeviceUnavailable
+from odma_hw.errors import BadArgument, DeviceError, DeviceUnavailable
 
 from allocator.prefix.kernels import copy_digest, digest
 
@@ -23,18 +23,18 @@ def host_view(device, buf, offset: int, nbytes: int) -> np.ndarray | None:
     """A uint8 numpy view of bytes [offset, offset + nbytes) of `buf` when they are host memory
     the process can address (the native host device, CPU torch tensors); None otherwise. The
     caller keeps the buffer alive (pinned) while it uses the view."""
-    kind = device.info.kind
-    if kind == "host":
+    if not is_host_memory(device):
+        return None
+    if device.info.kind == "host":
         from odma_hw import native
 
         ffi, _ = native.require()
         return np.frombuffer(ffi.buffer(ffi.cast("char *", buf.handle + offset), nbytes), np.uint8)
-    if kind == "torch" and getattr(device, "dev", None) is not None and device.dev.type == "cpu":
-        return buf.handle[offset:offset + nbytes].numpy()
-    return None
+    return buf.handle[offset:offset + nbytes].numpy()
 
 
 def is_host_memory(device) -> bool:
+    """Whether `device`'s buffers are host memory this process addresses directly."""
     kind = device.info.kind
     return kind == "host" or (kind == "torch" and device.dev.type == "cpu")
 
@@ -44,7 +44,6 @@ def _pinned_torch_host():
     plain CPU tensors where the runtime cannot pin."""
     from odma_hw.devices.torch_device import TorchDevice, torch
     from odma_hw.devices.base import Buffer
-    from odma_hw.errors import BadArgument, DeviceError
 
     class PinnedHostMemory(TorchDevice):
         def __init__(self):
@@ -87,7 +86,7 @@ def move(src, dst, nbytes: int, checksum: bool) -> tuple[float, float | None, by
     """Copy `nbytes` from src to dst, each (Device, Buffer, offset), not overlapping. Returns
     (wall seconds, the device's own seconds when Device.copy did it (modelled on emulated
     devices), checksum of the bytes moved when `checksum` else None). Raises what the devices
-    raise."""
+    raise; a torch runtime failure of a cross-device copy as DeviceError."""
     sdev, sbuf, soff = src
     ddev, dbuf, doff = dst
     t0 = time.perf_counter()
@@ -97,15 +96,20 @@ def move(src, dst, nbytes: int, checksum: bool) -> tuple[float, float | None, by
     dv = host_view(ddev, dbuf, doff, nbytes)
     if sv is not None and dv is not None and (checksum or sdev is not ddev):
         got = copy_digest(dv, sv)                   # one pass: streaming copy + checksum
-    elif sdev is ddev:
+        if not checksum:
+            got = None
+    elif sdev is ddev:                              # same device: both views or neither
         dev_seconds = sdev.copy(dbuf, doff, sbuf, soff, nbytes)
         if checksum:
-            side = dv if dv is not None else sv
-            got = digest(side if side is not None else ddev.read(dbuf, doff, nbytes))
+            got = digest(dv if dv is not None else ddev.read(dbuf, doff, nbytes))
     elif sdev.info.kind == "torch" and ddev.info.kind == "torch":
         if checksum and sv is not None:
             got = digest(sv)                        # host -> accelerator: check before the DMA
-        dbuf.handle[doff:doff + nbytes].copy_(sbuf.handle[soff:soff + nbytes])
+        try:
+            dbuf.handle[doff:doff + nbytes].copy_(sbuf.handle[soff:soff + nbytes])
+        except RuntimeError as exc:                 # e.g. a CUDA error: the project's error
+            raise DeviceError(f"copy of {nbytes} bytes from {sdev.spec} to {ddev.spec} "
+                              f"failed: {exc}") from None
         if checksum and got is None:
             got = digest(dv if dv is not None else ddev.read(dbuf, doff, nbytes))
     else:                                           # through host memory: read, then write
