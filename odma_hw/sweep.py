@@ -790,10 +790,12 @@ class Outcome:
 
 
 def dispatch(ray, the_plan: Plan, todo: list, log: ResultLog, progress: Progress, *,
-             window: int, retries: int = 1) -> Outcome:
+             window: int, retries: int = 1, cancel: bool = True) -> Outcome:
     """Run `todo` cells as Ray tasks, at most `window` in flight (so the driver holds a
     bounded number of references however large the grid); each cell's rows are logged as it
-    finishes. Ctrl-C cancels the tasks in flight and returns, marked interrupted."""
+    finishes. Ctrl-C returns, marked interrupted, after cancelling the tasks in flight when
+    `cancel` (a cluster this process started is better shut down: its workers die with it, and
+    Ray's driver can abort when a cancelled task's completion races the shutdown)."""
     command = the_plan.grid.command
     cpus = cluster_cpus(ray)
     task = ray.remote(run_cell).options(num_cpus=1, max_retries=retries, retry_exceptions=False)
@@ -822,7 +824,7 @@ def dispatch(ray, the_plan: Plan, todo: list, log: ResultLog, progress: Progress
             progress.show(min(len(in_flight), cpus))
     except KeyboardInterrupt:
         outcome.interrupted = True
-        for ref in in_flight:
+        for ref in in_flight if cancel else ():
             try:
                 ray.cancel(ref, force=True)
             except Exception:  # already finished or its worker already gone
@@ -990,7 +992,7 @@ def run_sweep(grid_path: str, *, out: str | None = None, workers: int | None = N
         progress = Progress(stream, os.path.basename(grid_path), len(the_plan.cells), len(done))
         if todo:
             outcome = dispatch(ray, the_plan, todo, log, progress, window=window,
-                               retries=retries)
+                               retries=retries, cancel=not owned)
         progress.show(final=True)
     except KeyboardInterrupt:
         outcome.interrupted = True
