@@ -723,3 +723,19 @@ def test_an_entry_dropped_while_a_prefetch_finds_no_room_is_freed(rigs, monkeypa
     assert dropped and rig.cache.lookup("p")[1] == 5
     assert rig.cache.stats()["prefetched"] == 0
     rig.cache.check()                         # the old p's host block was given back
+
+
+def test_a_promotion_runs_in_the_callers_thread_when_no_thread_can_start(rigs, monkeypatch):
+    rig = rigs("host", device_bytes=64 * BPT, host_bytes=64 * BPT)
+    rig.offer("p", 20)
+    rig.cache.evict("device", 1)
+
+    def no_thread(self):
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(cache_module.threading.Thread, "start", no_thread)
+    covered, _, got = rig.restore("p", 20)
+    assert covered == 20 and got == kv("p", 20)
+    assert rig.cache.lookup("p") == ("device", 20)       # promoted, and nothing left waiting
+    assert rig.cache.stats()["promotions"] == 1
+    rig.cache.check()

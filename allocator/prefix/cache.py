@@ -665,12 +665,15 @@ class PrefixCache:
             if self._worker_running:
                 return
             self._worker_running = True
-        threading.Thread(target=self._work, name="odma-prefix-promote", daemon=True).start()
+        try:
+            threading.Thread(target=self._work, name="odma-prefix-promote", daemon=True).start()
+        except RuntimeError:        # no thread to be had: the caller runs the queue itself
+            self._work(idle_s=0.0)
 
-    def _work(self) -> None:
+    def _work(self, idle_s: float = WORKER_IDLE_S) -> None:
         while True:
             with self._lock:
-                idle_until = time.monotonic() + WORKER_IDLE_S
+                idle_until = time.monotonic() + idle_s
                 while not self._pending:
                     left = idle_until - time.monotonic()
                     if left <= 0 or self._closed:
