@@ -23,7 +23,7 @@ from allocator.prefix import cache as cache_module
 from allocator.prefix import disk as disk_module
 from allocator.prefix.kernels import copy_digest, digest
 from odma_hw import devices
-from odma_hw.errors import BadArgument
+from odma_hw.errors import BadArgument, DeviceError
 
 BPT = 256                           # bytes per token: small, so every test runs in milliseconds
 BW = TierBandwidth(device_copy_gbps=100.0)
@@ -738,4 +738,28 @@ def test_a_promotion_runs_in_the_callers_thread_when_no_thread_can_start(rigs, m
     assert covered == 20 and got == kv("p", 20)
     assert rig.cache.lookup("p") == ("device", 20)       # promoted, and nothing left waiting
     assert rig.cache.stats()["promotions"] == 1
+    rig.cache.check()
+
+
+@pytest.mark.parametrize("spec", ["host", "torch:cpu"])
+def test_a_failed_promotion_leaves_the_entry_where_it_was(rigs, monkeypatch, spec):
+    rig = rigs(spec, device_bytes=64 * BPT, host_bytes=64 * BPT)
+    rig.offer("p", 20)
+    rig.cache.evict("device", 1)
+    real = rig.cache._transfer_bytes
+
+    def device_fails_on_promotion(e, src, *rest):
+        if src == "request":
+            raise DeviceError("the device tier's copy failed")
+        return real(e, src, *rest)
+
+    monkeypatch.setattr(rig.cache, "_transfer_bytes", device_fails_on_promotion)
+    covered, _, got = rig.restore("p", 20)
+    assert covered == 20 and got == kv("p", 20)
+    assert rig.cache.lookup("p") == ("host", 20)         # not dropped: its bytes were never at fault
+    st = rig.cache.stats()
+    assert st["promotions"] == 0 and st["drops"] == dict.fromkeys(st["drops"], 0)
+    monkeypatch.undo()
+    assert rig.restore("p", 20)[2] == kv("p", 20)
+    assert rig.cache.lookup("p") == ("device", 20)
     rig.cache.check()

@@ -37,7 +37,9 @@ Bytes in host memory carry a checksum (allocator/prefix/kernels.py), computed in
 brings them there. Disk reads are always checked; host-tier reads are checked when `verify`
 (default). A mismatch drops the entry (counted as corrupt) and the restore returns 0 tokens:
 the caller recomputes, and bad bytes are never reported as a prefix. A restore with `tokens`
-different from the entry's is a key collision: the entry is dropped, nothing is copied.
+different from the entry's is a key collision: the entry is dropped, nothing is copied. A
+promotion copies from the request's block, whose bytes the restore just checked, and does not
+check them again on the device; a failed promotion leaves the entry where it was.
 
 Seconds
 -------
@@ -624,8 +626,8 @@ class PrefixCache:
               evicted: bool) -> tuple[float, bool]:
         """Move `e` (marked moving, inside _settles(e)) from `src` (its tier, or "request" for a
         promotion copied from a request's block `src_storage`) into the reserved `room` of tier
-        `dst`; settle the index. A failed transfer drops the entry. Returns (seconds, whether
-        `e` is now in `dst`)."""
+        `dst`; settle the index. A failed transfer drops the entry, except a failed promotion,
+        which leaves it where it was. Returns (seconds, whether `e` is now in `dst`)."""
         storage, size = room
         failure = None
         try:
@@ -648,7 +650,9 @@ class PrefixCache:
                 self._settle_in(e, dst, storage, size)
             else:
                 self._free(dst, storage, size, unlink)
-                if not e.doomed:
+                # a promotion copies from the request's block, not from the entry's storage: its
+                # failure says nothing against the entry, which stays where it is
+                if failure is not None and not e.doomed and src != "request":
                     self._drop(e, failure, unlink)   # still moving: only marked doomed
             e.moving = False
             self._let_go(e, unlink)                  # frees a doomed entry's old storage
