@@ -49,6 +49,18 @@ def equal_width_bounds(max_tokens: int, n_buckets: int, alignment: int) -> tuple
     return tuple(out)
 
 
+FIRST_REFRESH = 64  # completions before a learning pool's first refresh
+
+
+def refresh_due(completions: int, refresh_every: int, learning: bool) -> bool:
+    """Every `refresh_every` completions; when `learning`, also at FIRST_REFRESH completions and
+    each doubling of it until then, so that a new pool's large blocks (sized by the longest
+    generation seen) stop reserving max_tokens after a few dozen requests, not a thousand."""
+    if learning and completions < refresh_every:
+        return completions >= FIRST_REFRESH and completions & (completions - 1) == 0
+    return completions % refresh_every == 0
+
+
 class QuantileBuckets:
     """Bucket bounds from quantiles of realized footprints over a sliding window.
 
@@ -57,14 +69,14 @@ class QuantileBuckets:
     whole. `history` lists (completions, bounds) for every published tuple.
 
     record() is called once per completed request (cheap: one append under a lock). Every
-    `refresh_every` records a refresh runs on the background thread (background=True) or inline;
-    refresh() can also be called directly at any time.
+    `refresh_every` records (see refresh_due for a `learning` pool) a refresh runs on the
+    background thread (background=True) or inline; refresh() can also be called directly.
     """
 
     def __init__(self, max_tokens: int, n_buckets: int = 8, *, window: int = 10_000,
                  refresh_every: int = 1_000, alignment: int = 16, rule: str = "min-waste",
                  background: bool = True, initial: tuple[int, ...] | None = None,
-                 migration_penalty: float = 1.0, frozen: bool = False):
+                 migration_penalty: float = 1.0, frozen: bool = False, learning: bool = False):
         if rule not in RULES:
             raise BadArgument(f"unknown bucket rule {rule!r}: expected one of {', '.join(RULES)}")
         for name, v in (("max_tokens", max_tokens), ("n_buckets", n_buckets), ("window", window),
@@ -79,6 +91,7 @@ class QuantileBuckets:
         self.rule = rule
         self.migration_penalty = float(migration_penalty)
         self.frozen = frozen           # S3: bounds never change
+        self.learning = learning       # extra refreshes before the first `refresh_every`
         bounds = initial if initial is not None else equal_width_bounds(max_tokens, n_buckets,
                                                                         alignment)
         self.bounds: tuple[int, ...] = self._clean(bounds)
@@ -102,6 +115,18 @@ class QuantileBuckets:
             self._thread.start()
             weakref.finalize(self, _stop_refresher, self._wake, self._stopped)
 
+    @classmethod
+    def from_config(cls, max_tokens: int, config) -> "QuantileBuckets":
+        """The buckets an ODMA pool (or a cluster of them) learns with `config` (AllocatorConfig).
+        Pools that follow predictions until the first periodic refresh learn early too; the
+        paper's rule (equal-width bounds until then) refreshes only every refresh_every."""
+        c = config
+        return cls(max_tokens, c.n_buckets, window=c.window, refresh_every=c.refresh_every,
+                   alignment=c.token_alignment, rule=c.bucket_rule,
+                   background=c.background_refresh, initial=c.initial_bounds,
+                   migration_penalty=c.migration_penalty,
+                   learning=c.initial_bounds is None and c.cold_start == "prediction")
+
     # -- feeding -----------------------------------------------------------------------------
     def record(self, realized: int, predicted: float | None, generated: int, prompt: int) -> None:
         """Log one completed request: its realized and predicted values in the bucket basis
@@ -111,7 +136,8 @@ class QuantileBuckets:
             self._window.append((realized, _NAN if predicted is None else predicted, generated,
                                  prompt))
             self._completions += 1
-            due = self._completions % self.refresh_every == 0 and not self.frozen
+            due = (refresh_due(self._completions, self.refresh_every, self.learning)
+                   and not self.frozen)
         if due:
             if self._thread is not None:
                 self._wake.set()

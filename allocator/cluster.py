@@ -33,11 +33,7 @@ class ClusterManager:
             raise BadArgument("a cluster needs at least one device")
         self.config = config = check_config(config)
         self.load_weight = load_weight
-        self.buckets = QuantileBuckets(
-            max_tokens, config.n_buckets, window=config.window,
-            refresh_every=config.refresh_every, alignment=config.token_alignment,
-            rule=config.bucket_rule, background=config.background_refresh,
-            initial=config.initial_bounds, migration_penalty=config.migration_penalty)
+        self.buckets = QuantileBuckets.from_config(max_tokens, config)
         self.allocators: list[RacmAllocator] = []
         try:
             for d in devices:

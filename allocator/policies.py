@@ -9,11 +9,13 @@ requests (learn). ContiguousPool (contiguous.py) does everything else.
   bound also goes large). Bounds count generated tokens by default (the paper's Eq. 2: the block
   holds prompt + bound) or whole footprints (bucket_basis="footprint"). A large block holds
   prompt + the longest generation in the bucket window (max_tokens before any data), capped at
-  max_tokens; a large block outgrown doubles its generated part. Until the first bucket refresh
-  there are no learned bounds: by default (cold_start="prediction") a block is then sized by the
-  inflated prediction itself, rounded up to the token alignment; cold_start="equal-width" uses
-  equal-width bounds up to max_tokens instead, which hands a request predicting 30 tokens a
-  max_tokens / n_buckets block.
+  max_tokens; a large block outgrown doubles its generated part. Cold start, the first
+  refresh_every completions: by default (cold_start="prediction") a block is sized by the
+  inflated prediction itself, rounded up to the token alignment, while the buckets refresh early
+  (QuantileBuckets.learning) so that large blocks soon stop reserving max_tokens;
+  cold_start="equal-width" is the paper's rule: equal-width bounds up to max_tokens until the
+  first periodic refresh, which hands a request predicting 30 tokens a max_tokens / n_buckets
+  block.
 - StaticPolicy: every request reserves max_tokens (Orca "Max", FasterTransformer,
   Cambricon-vLLM's static mode). Never migrates.
 - S3Policy: static, equal-width buckets over (0, max_tokens] (S3, NeurIPS 2023) in the same bucket
@@ -88,14 +90,8 @@ class OdmaPolicy(Policy):
         self._by_generated = config.bucket_basis == "generated"
         self._owns_buckets = buckets is None
         if buckets is None:
-            c = config
-            buckets = QuantileBuckets(max_tokens, c.n_buckets, window=c.window,
-                                      refresh_every=c.refresh_every, alignment=c.token_alignment,
-                                      rule=c.bucket_rule, background=c.background_refresh,
-                                      initial=c.initial_bounds,
-                                      migration_penalty=c.migration_penalty)
+            buckets = QuantileBuckets.from_config(max_tokens, config)
         self.buckets = buckets
-        self._cold = config.initial_bounds is None and config.cold_start == "prediction"
 
     def place(self, prompt, predicted, u):
         b = self.buckets
@@ -106,7 +102,7 @@ class OdmaPolicy(Policy):
         key = offset + inflated
         bounds = b.bounds
         i = bisect.bisect_left(bounds, key)
-        if self._cold and b.refreshes == 0:            # nothing learned yet: follow the prediction
+        if b.learning and b.completions < b.refresh_every:  # cold: follow the prediction
             cap = align_up(math.ceil(prompt + inflated), b.alignment)
             if cap <= self.max_tokens:
                 return Placement(min(i, len(bounds) - 1), cap, False, key)

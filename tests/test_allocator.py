@@ -174,8 +174,9 @@ def test_policy_inflates_by_uncertainty_and_picks_the_smallest_bucket():
 
 def test_bounds_follow_realized_lengths_and_apply_only_to_later_reservations():
     for rule in ("occupancy", "min-waste"):
+        # the paper's cold start: one refresh, after refresh_every completions
         cfg = AllocatorConfig(background_refresh=False, refresh_every=100, window=100,
-                              n_buckets=4, bucket_rule=rule)
+                              n_buckets=4, bucket_rule=rule, cold_start="equal-width")
         with RacmAllocator(None, 64 << 20, BPT, MAX_TOKENS, cfg) as alloc:
             early = alloc.reserve("early", 10, 100)
             before = alloc.buckets.bounds
@@ -191,6 +192,30 @@ def test_bounds_follow_realized_lengths_and_apply_only_to_later_reservations():
             assert after[-1] <= 208                  # learned from lengths <= 200, aligned to 16
             assert alloc.block("early").capacity_tokens == early.capacity_tokens
             assert alloc.buckets.history[-1] == (100, after)
+
+
+def test_a_cold_pool_learns_early_and_follows_predictions_until_refresh_every():
+    cfg = AllocatorConfig(background_refresh=False, refresh_every=1000, n_buckets=4)
+    with RacmAllocator(None, 64 << 20, BPT, MAX_TOKENS, cfg) as alloc:
+        assert alloc.reserve("big", 10, 0, math.inf).capacity_tokens == MAX_TOKENS  # no data
+        alloc.release("big")
+        rng = random.Random(2)
+        for i in range(300):
+            g = rng.randint(20, 200)
+            alloc.reserve(i, 10, g)
+            alloc.release(i, g)
+        assert alloc.buckets.refreshes == 3          # at 64, 128 and 256, not only at 1000
+        large = alloc.reserve("large", 10, 0, math.inf)
+        assert large.capacity_tokens == 224          # 10 + longest generation (<= 200), aligned
+        assert alloc.reserve("small", 10, 30).capacity_tokens == 48  # still the prediction
+    paper = AllocatorConfig(background_refresh=False, refresh_every=1000, n_buckets=4,
+                            cold_start="equal-width")
+    with RacmAllocator(None, 64 << 20, BPT, MAX_TOKENS, paper) as alloc:
+        for i in range(300):
+            alloc.reserve(i, 10, 50)
+            alloc.release(i, 50)
+        assert alloc.buckets.refreshes == 0
+        assert alloc.reserve("large", 10, 0, math.inf).capacity_tokens == MAX_TOKENS
 
 
 def test_background_refresher_publishes_bounds():
