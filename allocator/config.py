@@ -31,8 +31,9 @@ class AllocatorConfig:
     large_share: float = 0.1        # share of the pool reserved for the large bucket
     migration_penalty: float = 1.0  # min-waste rule: cost of a migration, in mean requests
     initial_bounds: tuple | None = None  # bounds before the first refresh (None: see cold_start)
-    cold_start: str = "prediction"  # before the first refresh: size blocks by the prediction
-    #                                 itself, or by "equal-width" bounds up to max_tokens
+    cold_start: str = "prediction"  # the first refresh_every completions: size blocks by the
+    #                                 prediction itself and refresh early (buckets.refresh_due),
+    #                                 or by "equal-width" bounds up to max_tokens (the paper)
     copy_chunk_bytes: int | None = None  # migration copy chunk (None: one streaming copy)
 
     def __post_init__(self):

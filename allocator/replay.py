@@ -436,8 +436,9 @@ def add_policy_arguments(p) -> None:
                    help="bounds count generated tokens (block = prompt + bound; the paper's "
                         "Eq. 2) or whole KV footprints (block = bound)")
     p.add_argument("--cold-start", default="prediction", choices=list(COLD_STARTS),
-                   help="before the first bucket refresh, size blocks by the prediction "
-                        "(default) or by equal-width bounds up to --max-tokens")
+                   help="for the first 1,000 completions, size blocks by the prediction while "
+                        "the buckets learn (default) or by equal-width bounds up to --max-tokens "
+                        "(the paper's rule)")
     p.add_argument("--alpha", type=argtypes.nonnegative_float, default=1.0,
                    help="L' = L (1 + alpha u)")
     p.add_argument("--tau", type=argtypes.nonnegative_float, default=4.0,
