@@ -525,10 +525,14 @@ def test_disk_files_outlive_the_cache_and_are_reindexed(tmp_path):
             c.check()
         names = sorted(p.name for p in tmp_path.iterdir())
         assert "notes.txt" in names and ".leftover.kv.tmp" in names and tmp_name not in names
-        with PrefixCache(dev, BPT, device_bytes=64 * BPT, disk_bytes=2 * (4096 + 12 * BPT),
+        assert len(list(tmp_path.glob("*.kv"))) == 2      # a and c (b was promoted, then closed)
+        one_file = disk_module.file_bytes(12 * BPT)
+        with PrefixCache(dev, BPT, device_bytes=64 * BPT, disk_bytes=one_file,
                          disk_dir=str(tmp_path)) as c:   # a smaller disk tier: trimmed to fit
-            assert sum(c.lookup(k)[0] is not None for k in "abc") == 2
-            assert len(list(tmp_path.glob("*.kv"))) == 2
+            assert sum(c.lookup(k)[0] is not None for k in "abc") == 1
+            assert len(list(tmp_path.glob("*.kv"))) == 1
+            st = c.stats()
+            assert st["reindexed"] == 1 and st["drops"]["full"] == 1
             c.check()
     finally:
         requests.close()

@@ -318,7 +318,6 @@ class PrefixCache:
             if old is not None:                  # two files of one key: keep the newer
                 self._forget(old)
                 self._disk_used -= old.size
-                self.reindexed -= 1
                 stale.append(old.storage)
             e = _Entry(h.key, h.tokens, h.nbytes, next(self._eids))
             e.checksum = h.checksum
@@ -327,7 +326,6 @@ class PrefixCache:
             self._settle_in(e, "disk", path, size)
             self._index[e.key] = e
             self._disk_used += size
-            self.reindexed += 1
         for path in stale:
             disk.remove(path)
         unlink: list = []
@@ -335,6 +333,7 @@ class PrefixCache:
             self._drop(self._orders["disk"].victim(lambda _e: True), "full", unlink)
         for path in unlink:
             disk.remove(path)
+        self.reindexed = len(self._index)        # the files kept, trimmed ones not counted
 
     # -- small helpers (lock held unless said otherwise) --------------------------------------------
     def _check_open(self) -> None:
