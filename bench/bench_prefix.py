@@ -20,6 +20,7 @@ K and V x 2 B = 57,344 B/token: 57 MB), on `host` and `torch:cpu`:
 
 from __future__ import annotations
 
+import functools
 import time
 
 import numpy as np
@@ -34,15 +35,17 @@ TOKENS = 1_000
 NBYTES = BPT * TOKENS
 ROUNDS = 15
 FLUSH_BYTES = 1 << 30  # written before every timed call: no side starts with its bytes in a cache
-_scratch: list = []
+
+
+@functools.cache
+def _scratch() -> np.ndarray:
+    return np.empty(FLUSH_BYTES, np.uint8)
 
 
 def flush_caches() -> None:
     """Evict the CPU caches (a VM may report, and share, a large L3): a timed copy right after
     set-up would otherwise read bytes the set-up just touched and win against one that does not."""
-    if not _scratch:
-        _scratch.append(np.empty(FLUSH_BYTES, np.uint8))
-    _scratch[0].fill(1)
+    _scratch().fill(1)
 
 
 def _open(spec: str):

@@ -312,13 +312,13 @@ class PrefixCache:
         for path in bad:
             disk.remove(path)
             self.drops["corrupt"] += 1
-        stale = []
+        unlink: list = []                       # files to remove: stale copies, trimmed ones
         for _, path, h, size in valid:
             old = self._index.get(h.key)
             if old is not None:                  # two files of one key: keep the newer
                 self._forget(old)
                 self._disk_used -= old.size
-                stale.append(old.storage)
+                unlink.append(old.storage)
             e = _Entry(h.key, h.tokens, h.nbytes, next(self._eids))
             e.checksum = h.checksum
             self._tick += 1
@@ -326,9 +326,6 @@ class PrefixCache:
             self._settle_in(e, "disk", path, size)
             self._index[e.key] = e
             self._disk_used += size
-        for path in stale:
-            disk.remove(path)
-        unlink: list = []
         while self._disk_used > self.capacity["disk"]:
             self._drop(self._orders["disk"].victim(lambda _e: True), "full", unlink)
         for path in unlink:
