@@ -39,7 +39,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import heapq
-import itertools
 import math
 import sys
 import time
@@ -53,11 +52,11 @@ from allocator.errors import OutOfMemory
 from allocator.policies import make_allocator
 from allocator.predictors import Request, make_predictor
 from allocator.serving.presets import DTYPE_BYTES, Accelerator, ModelSpec
+from allocator.serving.scheduler import WaitingQueue
 
 LAYOUTS = ("contiguous", "v06", "hnd", "nhd")
 PAGED_LAYOUTS = LAYOUTS[1:]
 RELINEARIZE = 64                 # steps between re-reads of a contiguous request's efficiency
-SCHEDULE_SCAN = 4096             # queued requests a prefix schedule looks at per admission
 SERIES_POINTS = 400
 
 
@@ -332,7 +331,10 @@ class Simulation:
         n = len(reqs)
         order = sorted(range(n), key=lambda i: (reqs[i].arrival, i))
         running: dict[int, RequestState] = {}
-        waiting: collections.deque = collections.deque()
+        cache = self.cache
+        waiting = WaitingQueue(self.prefix.schedule if self.prefix else "fcfs",
+                               lambda i: reqs[i].arrival, lambda i: reqs[i].prefix or None,
+                               lambda key: TIER_DISTANCE[cache.lookup(key)[0]])
         events: list = []       # (step, kind, request, epoch): 0 done, 1 outgrown, 2 re-read
         sums = [0.0, 0.0, 0.0, 0.0]   # over running requests: a, slope, ab, sb
         step = 0                # decode steps done; the next one has this index
@@ -380,11 +382,15 @@ class Simulation:
                 offered = 0.0
                 if r.prefix and tier_of(r) is None:    # a prefix it computed: keep it
                     offered += cache.offer(r.prefix, blk, r.prefix_tokens)
+                    waiting.moved(r.prefix)
                 if r.offer:                            # its whole context, for a next turn
                     offered += cache.offer(r.offer, blk, r.prompt + r.gen)
+                    waiting.moved(r.offer)
                 tot["prefix_offer"] += offered
                 dma_busy_until[0] = max(dma_busy_until[0], t) + offered
-            alloc.release(i, r.prompt + r.gen - blk.prompt_tokens)
+            # the last token made is output, never read back: its KV slot need not exist, so a
+            # request done in its prefill records what its block holds
+            alloc.release(i, min(r.prompt + r.gen, blk.capacity_tokens) - blk.prompt_tokens)
             self.predictor.observe(Request(i, r.prompt, r.gen), r.gen)
             r.made = r.gen
             r.finish = t
@@ -404,29 +410,10 @@ class Simulation:
             r.predicted = (max(L, r.made + 1.0), math.inf)
             waiting.appendleft(i)
 
-        cache = self.cache
-        schedule_rule = self.prefix.schedule if self.prefix else "fcfs"
         dma_busy_until = [now]          # prefetches and offers: the copy engine, beside compute
 
         def tier_of(r):
             return cache.lookup(r.prefix)[0] if cache is not None and r.prefix else None
-
-        def next_candidate() -> int:
-            """Position in the queue of the request admission tries next: the head (FCFS), or
-            by the prefix schedule: FPF takes prefixes nearest the device first (oldest first
-            among equals; later requests may starve), relaxed FPF the highest
-            (now - arrival) x (4 - tier distance)."""
-            if schedule_rule == "fcfs":
-                return 0
-            best, best_key = 0, None
-            for pos, i in enumerate(itertools.islice(waiting, SCHEDULE_SCAN)):
-                r = reqs[i]
-                d = TIER_DISTANCE[tier_of(r)]
-                key = ((d, r.arrival) if schedule_rule == "fpf"
-                       else (-(now - r.arrival) * (4 - d), r.arrival))
-                if best_key is None or key < best_key:
-                    best, best_key = pos, key
-            return best
 
         def prefill_seconds(parts) -> tuple[float, float, float]:
             """(seconds, FLOPs, bytes) of one prefill iteration over (tokens held, tokens
@@ -445,8 +432,7 @@ class Simulation:
             tokens = 0
             restore = 0.0
             while waiting and len(running) + len(admitted) < s.max_batch:
-                pos = next_candidate()
-                i = waiting[pos]
+                i = waiting.head(now)
                 r = reqs[i]
                 held = r.prompt + r.made               # a rerun recomputes what it made
                 if admitted and tokens + held > self.max_prefill:
@@ -462,7 +448,7 @@ class Simulation:
                             f"request {i} ({r.prompt} + {r.gen} tokens) does not fit in an "
                             f"empty KV pool of {pool / 1e9:.2f} GB") from None
                     break
-                del waiting[pos]
+                waiting.remove(i)
                 covered = 0
                 if cache is not None and r.prefix:
                     tier = tier_of(r)
@@ -470,6 +456,7 @@ class Simulation:
                     if tier is not None:
                         covered, secs = cache.restore(r.prefix, blk, r.prefix_tokens)
                         restore += secs
+                        waiting.moved(r.prefix)
                 r.covered = covered
                 admitted.append((i, r, held, covered))
                 tokens += held - covered
@@ -484,10 +471,12 @@ class Simulation:
                 tot["prefix_restore"] += restore
                 tot["prefix_covered_tokens"] += sum(c for _, c in parts)
                 if self.prefix.prefetch:
-                    keys = [reqs[j].prefix for j in itertools.islice(waiting, self.prefix.prefetch)
+                    keys = [reqs[j].prefix for j in waiting.first(self.prefix.prefetch)
                             if reqs[j].prefix]
                     if keys:
                         dma_busy_until[0] = max(dma_busy_until[0], now) + cache.prefetch(keys)
+                        for key in keys:
+                            waiting.moved(key)
             tot["prefill_floor_margin_min"] = min(
                 tot.get("prefill_floor_margin_min", math.inf),
                 secs / max(flops / self.card_flops, nbytes / peak_bw))
@@ -498,8 +487,13 @@ class Simulation:
                 if r.first_token is None:
                     r.first_token = end
                 r.made += 1
-                # the slot of the token just made, and of the next one if it makes more
-                need = r.prompt + r.made + (r.made < r.gen)
+                if r.made >= r.gen:
+                    # done: it never grows (a failed grow would preempt a finished request,
+                    # whose rerun then needs the whole max-model-len)
+                    finish(i, r, end)
+                    continue
+                # the slot of the token just made, and of the next one
+                need = r.prompt + r.made + 1
                 try:
                     blk = alloc.block(i)
                     if need > blk.capacity_tokens:
@@ -508,9 +502,6 @@ class Simulation:
                         tot["migration"] += extra
                 except OutOfMemory:
                     preempt(i, r)
-                    continue
-                if r.made >= r.gen:                    # a one-token request is done
-                    finish(i, r, end)
                     continue
                 r.start_step = step
                 r.cap = blk.capacity_tokens
