@@ -33,15 +33,13 @@ from __future__ import annotations
 
 import collections
 import heapq
-import json
 import math
-import os
 import sys
 import time
 
 import numpy as np
 
-from odma_hw import argtypes, plotting
+from odma_hw import argtypes, jsonout, plotting
 from odma_hw.errors import BadArgument
 
 from allocator.buckets import RULES
@@ -386,7 +384,7 @@ def _cmd(args) -> int:
         shown = dict(result)
         if not args.series:
             shown.pop("series")
-        print(json.dumps(shown, indent=1))
+        print(jsonout.dumps(shown, indent=1))
     else:
         r = result
         print(f"{r['trace']}: policy {r['policy']}, predictor {r['predictor']}, "

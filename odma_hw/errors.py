@@ -1,7 +1,8 @@
 """One exception tree for the whole project.
 
 The CLI maps BadArgument and DeviceUnavailable to exit status 2 (bad usage: the user named something
-that is not there or not valid) and DeviceError to exit status 3 (a device failed at run time).
+that is not there or not valid), DeviceError (a device failed at run time), RunFailed (some runs failed, the
+others' results were printed) and OutputError (results could not be written) to exit status 3.
 Every exception carries a one-line message fit to print as is.
 """
 
@@ -20,3 +21,13 @@ class DeviceUnavailable(OdmaError):
 
 class DeviceError(OdmaError):
     """A device or its runtime failed while working."""
+
+
+class RunFailed(OdmaError):
+    """Some runs of a command failed at run time; the others finished and their results were
+    printed."""
+
+
+class OutputError(OdmaError):
+    """Results could not be written (a full disk, a read-only folder, a failed plot); what was
+    finished is kept or already printed."""

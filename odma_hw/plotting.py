@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 
-from odma_hw.errors import BadArgument
+from odma_hw.errors import BadArgument, OutputError
 
 
 def pyplot():
@@ -46,13 +46,13 @@ def check_plot_path(path: str) -> None:
 
 
 def save(fig, path: str) -> None:
-    """Save and close `fig`; an I/O failure is one BadArgument line (the results were already
+    """Save and close `fig`; an I/O failure is one OutputError line (the results were already
     printed)."""
     plt = pyplot()
     try:
         fig.savefig(path, dpi=120)
-    except OSError as exc:
-        raise BadArgument(f"cannot write plot {path!r}: {exc.strerror or exc} (the results "
+    except (OSError, ValueError) as exc:
+        raise OutputError(f"cannot write plot {path!r}: {exc.strerror or exc} (the results "
                           f"above are complete)") from None
     finally:
         plt.close(fig)

@@ -19,13 +19,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import math
 import sys
 import time
 from typing import Callable
 
-from odma_hw import argtypes, plotting
+from odma_hw import argtypes, jsonout, plotting
 from odma_hw import devices as devmod
 from odma_hw.devices.base import MIN_GRANULE, Device, DeviceInfo, Measurement, is_int
 from odma_hw.errors import BadArgument
@@ -427,7 +426,7 @@ def run_probe(args) -> int:
 
     # the results first: a plot that cannot be written at the end must not lose them
     if args.json:
-        print(json.dumps({"schema": SCHEMA, "devices": [r.to_json() for r in results]}, indent=1))
+        print(jsonout.dumps({"schema": SCHEMA, "devices": [r.to_json() for r in results]}, indent=1))
     else:
         print(format_table(results))
     if args.plot:
@@ -439,7 +438,7 @@ def run_probe(args) -> int:
 def run_devices(args) -> int:
     statuses = devmod.discover()
     if args.json:
-        print(json.dumps({"schema": "odma-hw.devices/1", "backends": [dataclasses.asdict(s) for s in statuses]},
+        print(jsonout.dumps({"schema": "odma-hw.devices/1", "backends": [dataclasses.asdict(s) for s in statuses]},
                          indent=1))
         return 0
     for s in statuses:

@@ -229,7 +229,7 @@ def test_a_plot_that_cannot_be_written_at_the_end_keeps_the_results(tmp_path, mo
                        "--plot", str(tmp_path / "probe.png")])
     out, err = capsys.readouterr()
     assert "emu:lpddr5-6400" in out and "verdict" in out  # the table came first
-    assert status == 2  # the --plot argument is what failed, as in replay and simulate
+    assert status == 3  # an output failure after the work, as in replay and simulate
     lines = err.strip().splitlines()
     assert len(lines) == 1 and "cannot write plot" in lines[0] and "No space left" in lines[0]
 

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from allocator.serving import timing as timing_mod
 from allocator.serving.cli import simulate
@@ -89,6 +91,37 @@ def test_every_request_completes_even_under_preemption(policy, mlu_timing):
         assert r["preemptions"] > 0
     assert r["ttft_s"]["p50"] > 0 and r["e2e_s"]["p99"] >= r["e2e_s"]["p50"]
     assert 0 < r["utilization"] <= 1
+
+
+@settings(max_examples=40, deadline=None)
+@given(max_model_len=st.integers(16, 700), page_tokens=st.integers(1, 40),
+       seed=st.integers(0, 2**16))
+def test_paged_completes_every_request_for_every_max_model_len_and_page_size(
+        mlu_timing, max_model_len, page_tokens, seed):
+    """Requests that fill max_model_len exactly (most make one token after a prompt of
+    max_model_len - 1) under a pool of a few of them: a request done in its prefill must not
+    grow, be preempted and come back needing the whole length."""
+    rng = np.random.default_rng(seed)
+    n = 60
+    gen = np.where(rng.random(n) < 0.5, 1, rng.integers(1, max_model_len, n))
+    prompt = np.maximum(max_model_len - gen - rng.integers(0, 2, n), 1)
+    trace = RequestTrace(prompt, gen, None, name="edge")
+    pool_gb = 3.5 * max_model_len * QWEN.kv_bytes_per_token / 1e9
+    s = setup(mlu_timing, max_model_len=max_model_len, page_tokens=page_tokens,
+              kv_pool_gb=pool_gb)
+    r = run_policy(trace, arrival_seconds(trace, 100.0, seed=seed), "paged", s)
+    assert r["completed"] == r["requests"] == n and r["lost"] == 0
+    assert r["output_tokens"] == int(gen.sum())
+
+
+@pytest.mark.parametrize("policy", ["odma", "static", "s3", "paged", "oracle"])
+def test_a_one_token_request_at_max_model_len_finishes_under_pressure(policy, mlu_timing):
+    trace = RequestTrace(np.full(40, 4096), np.ones(40, dtype=np.int64), None, name="edge")
+    # two prompts fill the pool in one prefill: the slot of each one's token does not fit
+    s = setup(mlu_timing, max_model_len=4097, max_prefill_tokens=8192,
+              kv_pool_gb=8192 * QWEN.kv_bytes_per_token / 1e9)
+    r = run_policy(trace, arrival_seconds(trace, 100.0), policy, s)
+    assert r["completed"] == 40 and r["output_tokens"] == 40
 
 
 def test_every_policy_sees_the_same_requests_at_the_same_times(mlu_timing):
@@ -393,3 +426,97 @@ def test_a_live_torch_timing_drives_a_simulation_above_the_floor():
 def test_an_unknown_timing_source_is_refused_in_one_line(small_trace, capsys):
     assert main(["simulate", "--trace", str(small_trace), "--timing", "live:cuda:0"]) == 2
     assert "live:torch:DEVICE" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------ nothing lost
+def _fail_paged(monkeypatch, exc):
+    from allocator.serving import cli as sim_cli
+
+    real = sim_cli.run_policy
+
+    def run_policy(trace, arrivals, policy, *args, **kwargs):
+        if policy == "paged":
+            raise exc
+        return real(trace, arrivals, policy, *args, **kwargs)
+
+    monkeypatch.setattr(sim_cli, "run_policy", run_policy)
+
+
+def test_one_failed_run_keeps_the_others_results_and_exits_3(small_trace, capsys, monkeypatch):
+    from odma_hw.errors import BadArgument
+
+    _fail_paged(monkeypatch, BadArgument("the pool broke"))
+    assert main(["simulate", "--trace", small_trace, "--json", "--rate", "1,2",
+                 "--policy", "odma,paged,static"]) == 3
+    out, err = capsys.readouterr()
+    doc = json.loads(out)
+    assert [(r["rate"], r["policy"]) for r in doc["results"]] == [
+        (1.0, "odma"), (1.0, "static"), (2.0, "odma"), (2.0, "static")]
+    assert doc["failed"] == [{"policy": "paged", "rate": 1.0, "error": "the pool broke"},
+                             {"policy": "paged", "rate": 2.0, "error": "the pool broke"}]
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "2 of 6 runs failed" in lines[0] and "the pool broke" in lines[0]
+
+
+def test_ctrl_c_prints_the_finished_runs_then_exits_130(small_trace, capsys, monkeypatch):
+    _fail_paged(monkeypatch, KeyboardInterrupt())
+    assert main(["simulate", "--trace", small_trace, "--json",
+                 "--policy", "odma,static,paged"]) == 130
+    out, err = capsys.readouterr()
+    assert [r["policy"] for r in json.loads(out)["results"]] == ["odma", "static"]
+    assert "interrupted" in err
+
+
+def test_json_is_valid_when_a_value_is_not_finite(tmp_path, capsys):
+    # one-token requests finish in their prefill: no decode step, so no margin over the floor
+    trace = tmp_path / "t.csv"
+    trace.write_text("num_prefill_tokens,num_decode_tokens\n10,1\n30,1\n")
+    assert main(["simulate", "--trace", str(trace), "--json", "--policy", "odma"]) == 0
+    out = capsys.readouterr().out
+    r = json.loads(out, parse_constant=lambda c: pytest.fail(f"{c} in the JSON"))["results"][0]
+    assert r["floor_margin_min"] is None and r["completed"] == 2
+
+
+def test_a_plot_that_fails_after_the_work_exits_3_with_the_results_printed(
+        small_trace, tmp_path, capsys, monkeypatch):
+    import matplotlib.figure
+
+    def disk_full(self, *args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", disk_full)
+    assert main(["simulate", "--trace", small_trace, "--plot", str(tmp_path / "s.png")]) == 3
+    out, err = capsys.readouterr()
+    assert "odma" in out and len(err.strip().splitlines()) == 1 and "No space" in err
+
+
+@pytest.mark.parametrize("streams", [7, 1000, 1 << 16])
+def test_a_run_trace_is_as_long_as_asked_however_many_streams(streams):
+    from allocator.serving.timing import REQUEST_BYTES, run_trace
+
+    total, run, footprint = 1 << 20, 1 << 16, 1 << 30
+    t = run_trace(total, run, footprint, streams=streams, chunk_bytes=2048)
+    assert total <= t.addr.size * REQUEST_BYTES < total + 2048
+    assert t.addr.min() >= 0 and t.addr.max() + REQUEST_BYTES <= footprint
+    # a chunk is 32 consecutive requests, and a stream reads its run's chunks in order: the
+    # chunk before one in its run (if read) comes earlier in the trace
+    chunks = t.addr.reshape(-1, 2048 // REQUEST_BYTES)
+    assert (np.diff(chunks, axis=1) == REQUEST_BYTES).all()
+    at = {int(a): j for j, a in enumerate(chunks[:, 0])}
+    assert len(at) == len(chunks)
+    assert all(at[a - 2048] < j for a, j in at.items() if a - 2048 in at)
+
+
+def test_a_coarse_interleave_and_many_streams_are_bounded_runs(tmp_path, monkeypatch, capsys,
+                                                               small_trace):
+    monkeypatch.setenv("ODMA_CACHE_DIR", str(tmp_path / "cache"))
+    fine = EmuTiming(MLU.bandwidth_gbps, EmuSettings(preset="mlu370-x4"))
+    coarse = EmuTiming(MLU.bandwidth_gbps, EmuSettings(preset="mlu370-x4", interleave=1 << 30))
+    # a stream that stays in one channel for a GiB reads at one channel's share of the card
+    assert coarse.seq_efficiency == pytest.approx(fine.seq_efficiency / fine.dev.channels,
+                                                  rel=0.1)
+    many = EmuTiming(MLU.bandwidth_gbps, EmuSettings(preset="mlu370-x4", streams=1 << 16))
+    assert 0 < many.run_efficiency(1 << 20) < fine.run_efficiency(1 << 20)
+    assert exit_code(["simulate", "--trace", small_trace, "--streams", "1000000"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "streams" in err and len(err.splitlines()) == 1

@@ -7,11 +7,10 @@ rates prints one row per rate and policy.
 
 from __future__ import annotations
 
-import json
 import sys
 
-from odma_hw import argtypes, plotting
-from odma_hw.errors import BadArgument
+from odma_hw import argtypes, jsonout, plotting
+from odma_hw.errors import BadArgument, OdmaError, RunFailed
 
 from allocator.config import AllocatorConfig
 from allocator.policies import POLICIES
@@ -41,11 +40,15 @@ def simulate(trace, policies=("odma", "static", "paged"), rates=(None,), *,
              model="deepseek-r1-distill-qwen-7b", device="mlu370-x4", timing=None,
              emu: EmuSettings | None = None, dtype="bf16", tp=1, replicas=1, requests=None,
              max_model_len=None, clip=False, time_scale=1.0, seed=0, config=None,
-             prefix: PrefixSettings | None = None, progress=False, **setup_args) -> list[dict]:
+             prefix: PrefixSettings | None = None, progress=False, results: list | None = None,
+             failed: list | None = None, **setup_args) -> list[dict]:
     """Simulate every (rate, policy) pair; returns one result dict per pair, rates outermost.
     `trace` is a RequestTrace or a CSV path; `timing` a source string (default: the device's
     emulated memory, emu:<its preset>); `emu` the emulator settings of an emu source; `prefix`
-    a prefix cache in front of prefill (the trace must name prefixes)."""
+    a prefix cache in front of prefill (the trace must name prefixes). `results`: the list each
+    finished run is appended to (default a new one), so that a caller keeps the finished runs
+    when a later one is interrupted. `failed`: where given, a run that fails after the checks
+    is recorded there as {"policy", "rate", "error"} and the others go on; else it raises."""
     if not isinstance(trace, RequestTrace):
         trace = load_trace(trace)
     if requests is not None:
@@ -69,13 +72,19 @@ def simulate(trace, policies=("odma", "static", "paged"), rates=(None,), *,
     _, _, _, setup.max_model_len, _, _ = fit_lengths(trace, max_model_len, m, clip)
     setup.pool_bytes()
     setup.timing = make_timing(source, dev.bandwidth_gbps, emu)
-    out = []
+    out = [] if results is None else results
     for rate, arr in zip(rates, arrivals):
         for p in policies:
             show = progress_printer(f"{p}" + (f" @ {rate:g} req/s" if rate else "")) \
                 if progress else None
-            r = run_policy(trace, arr, p, setup, replicas=replicas, clip=clip, progress=show,
-                           prefix=prefix)
+            try:
+                r = run_policy(trace, arr, p, setup, replicas=replicas, clip=clip,
+                               progress=show, prefix=prefix)
+            except (OdmaError, RuntimeError, MemoryError) as exc:
+                if failed is None:
+                    raise
+                failed.append({"policy": p, "rate": rate, "error": f"{exc}"})
+                continue
             r["rate"] = rate
             r["offered_rate"] = (len(trace) / max(float(arr.max()), 1e-12)
                                  if len(trace) > 1 else None)
@@ -141,7 +150,8 @@ def plot(results: list[dict], path: str) -> None:
     ax.set_ylabel("output tokens/s")
     ax.set_title("throughput vs load" if rates else "(one load: see the time series)")
     ax.grid(alpha=0.3)
-    ax.legend()
+    if rates:
+        ax.legend()
     last = [r for r in results if r["rate"] == (rates[-1] if rates else None)]
     for r in last:
         t = [x["t"] for x in r["series"]]
@@ -159,8 +169,9 @@ def plot(results: list[dict], path: str) -> None:
     plotting.save(fig, path)
 
 
-def compute(args) -> dict:
-    """The JSON object of `odma-hw simulate` for parsed arguments (with the time series)."""
+def compute(args, results: list | None = None, failed: list | None = None) -> dict:
+    """The JSON object of `odma-hw simulate` for parsed arguments (with the time series);
+    `results` and `failed` as simulate() takes them."""
     policies = _policies(args.policy)
     config = AllocatorConfig(alpha=args.alpha, tau=args.tau, n_buckets=args.buckets,
                              bucket_rule=args.bucket_rule, bucket_basis=args.bucket_basis,
@@ -189,24 +200,40 @@ def compute(args) -> dict:
         progress=not args.json or sys.stderr.isatty(),
         max_batch=args.max_batch, mfu=args.mfu, memory_utilization=args.memory_utilization,
         kv_pool_gb=args.kv_pool_gb, paged_layout=args.layout, page_tokens=args.page_tokens,
-        predictor=args.predictor)
-    return {"schema": SCHEMA, "results": results}
+        predictor=args.predictor, results=results, failed=failed)
+    return {"schema": SCHEMA, "results": results, "failed": failed or []}
 
 
-def _cmd(args) -> int:
-    if args.plot:
-        plotting.check_plot_path(args.plot)
-    results = compute(args)["results"]
+def _show(args, results: list[dict], failed: list[dict]) -> None:
     if args.json:
         rows = [dict(r) for r in results]
         if not args.series:
             for r in rows:
                 r.pop("series")
-        print(json.dumps({"schema": SCHEMA, "results": rows}, indent=1))
-    else:
+        print(jsonout.dumps({"schema": SCHEMA, "results": rows, "failed": failed}, indent=1))
+    elif results:
         print(format_table(results))
+
+
+def _cmd(args) -> int:
     if args.plot:
+        plotting.check_plot_path(args.plot)
+    results: list[dict] = []
+    failed: list[dict] = []
+    try:
+        compute(args, results, failed)
+    except KeyboardInterrupt:
+        if results:                  # the runs that finished are kept, as a sweep keeps cells
+            _show(args, results, failed)
+        raise
+    _show(args, results, failed)
+    if args.plot and results:
         plot(results, args.plot)
+    if failed:
+        runs = "; ".join(f"{f['policy']}" + (f" @ {f['rate']:g} req/s" if f["rate"] else "")
+                         + f": {f['error']}" for f in failed)
+        raise RunFailed(f"{len(failed)} of {len(failed) + len(results)} runs failed (the "
+                          f"others are complete): {runs}")
     return 0
 
 

@@ -45,7 +45,10 @@ GRID_MIN_LOG2, GRID_MAX_LOG2 = 8, 22         # 256 B .. 4 MiB
 GRID_LOG2 = np.arange(2 * GRID_MIN_LOG2, 2 * GRID_MAX_LOG2 + 1) / 2.0   # half octaves
 REQUEST_BYTES = 64                            # what reaches the controller per request
 MIN_TRACE_BYTES = 8 << 20                     # bytes simulated per grid point (steady state)
-CACHE_VERSION = 1
+MAX_TRACE_BYTES = 32 << 20                    # a stream over a coarser interleave stays in
+                                              # fewer channels at once, which this already shows
+MAX_STREAMS = 1 << 16
+CACHE_VERSION = 2
 
 
 def _interp_log2(sizes_log2: np.ndarray, values: np.ndarray, run_bytes) -> np.ndarray:
@@ -91,33 +94,35 @@ def _emulator_fingerprint() -> str:
 
 def run_trace(total_bytes: int, run_bytes: int, footprint: int, *, streams: int = 1,
               chunk_bytes: int | None = None, align: int = 256, seed: int = 1):
-    """An emulator trace of random runs: ceil(total / run) runs of `run_bytes` at random
-    `align`-aligned places in [0, footprint), read in REQUEST_BYTES requests. streams > 1: that
-    many runs in flight, the controller seeing chunk_bytes of one, then of a random other."""
+    """An emulator trace of random runs of `run_bytes` at random `align`-aligned places in
+    [0, footprint), read in REQUEST_BYTES requests: ceil(total / run) whole runs one after
+    another, or (streams > 1) a window of total_bytes of the steady state of that many runs in
+    flight, the controller seeing chunk_bytes of one stream, then of a random other, each
+    stream's chunks in order. The window, not the runs, sets the size, so the trace stays
+    total_bytes long however many streams there are."""
     from odma_hw.emu.traces import Trace
 
     rng = np.random.default_rng(seed)
     run_bytes = max(REQUEST_BYTES, run_bytes // REQUEST_BYTES * REQUEST_BYTES)
-    n_runs = max(streams, -(-total_bytes // run_bytes))
-    starts = rng.integers(0, max(1, (footprint - run_bytes) // align), n_runs) * align
     chunk = run_bytes if streams == 1 else min(run_bytes, max(REQUEST_BYTES, chunk_bytes or
                                                               REQUEST_BYTES))
     chunk = chunk // REQUEST_BYTES * REQUEST_BYTES
     per_run = -(-run_bytes // chunk)
     if streams == 1:
+        n_runs = -(-total_bytes // run_bytes)
         chunk_run = np.repeat(np.arange(n_runs), per_run)
         chunk_idx = np.tile(np.arange(per_run), n_runs)
     else:
-        # run i is the (i // streams)-th run of stream i % streams; the controller sees the
-        # chunks of the streams in a random interleaving, each stream's chunks in order
-        per_stream = np.bincount(np.arange(n_runs) % streams, minlength=streams) * per_run
-        stream = rng.permutation(np.repeat(np.arange(streams), per_stream))
+        stream = rng.integers(0, streams, max(1, -(-total_bytes // chunk)))
+        counts = np.bincount(stream, minlength=streams)
         order = np.argsort(stream, kind="stable")
-        k = np.empty_like(order)
-        k[order] = np.arange(order.size)
-        k -= (np.cumsum(per_stream) - per_stream)[stream]        # chunk number within its stream
-        chunk_run = (k // per_run) * streams + stream
+        k = np.empty_like(order)                               # chunk number within its stream
+        k[order] = np.arange(order.size) - np.repeat(np.cumsum(counts) - counts, counts)
+        runs = -(-counts // per_run)                           # runs each stream touches
+        chunk_run = (np.cumsum(runs) - runs)[stream] + k // per_run
         chunk_idx = k % per_run
+        n_runs = int(runs.sum())
+    starts = rng.integers(0, max(1, (footprint - run_bytes) // align), n_runs) * align
     offs = chunk_idx * chunk
     lens = np.minimum(chunk, run_bytes - offs)
     per_req = lens // REQUEST_BYTES
@@ -153,8 +158,8 @@ class EmuTiming(MemoryTiming):
         self.settings = s = settings
         self.bandwidth_gbps = float(bandwidth_gbps)
         self.dev = device_spec(s.preset, channels=s.channels, interleave=s.interleave)
-        if s.streams < 1:
-            raise BadArgument(f"streams must be >= 1, got {s.streams}")
+        if not 1 <= s.streams <= MAX_STREAMS:
+            raise BadArgument(f"streams must be between 1 and {MAX_STREAMS}, got {s.streams}")
         self.footprint = min(s.footprint, self.dev.total_bytes)
         self.source = f"emu:{s.preset}"
         key = json.dumps(dataclasses.asdict(s), sort_keys=True)
@@ -208,7 +213,8 @@ class EmuTiming(MemoryTiming):
         return min(1.0, st.efficiency)
 
     def _simulate_seq(self) -> float:
-        total = max(MIN_TRACE_BYTES, 64 * self.dev.channels * self.dev.interleave_bytes)
+        total = min(MAX_TRACE_BYTES,
+                    max(MIN_TRACE_BYTES, 64 * self.dev.channels * self.dev.interleave_bytes))
         return self._simulate(run_trace(total, total, self.footprint, seed=self.settings.seed))
 
     def _simulate_copy(self) -> float:

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import json
 import sys
 
+from odma_hw import jsonout
 from odma_hw.errors import BadArgument
 
 SCHEMA = "odma-hw.emulate/1"
@@ -107,7 +107,7 @@ class _Progress:
 def run(args) -> int:
     d = compute(args)
     if args.json:
-        print(json.dumps(d))
+        print(jsonout.dumps(d))
         return 0
     return _print_table(d)
 
