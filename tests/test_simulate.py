@@ -520,3 +520,26 @@ def test_a_coarse_interleave_and_many_streams_are_bounded_runs(tmp_path, monkeyp
     assert exit_code(["simulate", "--trace", small_trace, "--streams", "1000000"]) == 2
     err = capsys.readouterr().err.strip()
     assert "streams" in err and len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--max-model-len", "16"], "--clip"),
+    (["--timing", "probe:/nonexistent"], "cannot read probe JSON"),
+    (["--timing", "live:torch:cuda"], "cuda"),
+    (["--streams", "100000"], "streams"),
+    (["--interleave", "3"], "interleave"),
+])
+def test_check_only_makes_every_check_before_the_work(small_trace, tmp_path, monkeypatch, args,
+                                                      message):
+    """What a sweep's pre-flight calls: the refusals simulate makes before any work, and no
+    emulator run for the values that pass."""
+    from odma_hw.cli import build_parser
+    from odma_hw.errors import OdmaError
+    from allocator.serving.cli import compute
+
+    monkeypatch.setenv("ODMA_CACHE_DIR", str(tmp_path / "fresh-cache"))
+    parse = build_parser().parse_args
+    assert compute(parse(["simulate", "--trace", small_trace]), check_only=True)["results"] == []
+    with pytest.raises(OdmaError, match=message):
+        compute(parse(["simulate", "--trace", small_trace] + args), check_only=True)
+    assert not (tmp_path / "fresh-cache").exists()

@@ -41,14 +41,15 @@ def simulate(trace, policies=("odma", "static", "paged"), rates=(None,), *,
              emu: EmuSettings | None = None, dtype="bf16", tp=1, replicas=1, requests=None,
              max_model_len=None, clip=False, time_scale=1.0, seed=0, config=None,
              prefix: PrefixSettings | None = None, progress=False, results: list | None = None,
-             failed: list | None = None, **setup_args) -> list[dict]:
+             failed: list | None = None, check_only=False, **setup_args) -> list[dict]:
     """Simulate every (rate, policy) pair; returns one result dict per pair, rates outermost.
     `trace` is a RequestTrace or a CSV path; `timing` a source string (default: the device's
     emulated memory, emu:<its preset>); `emu` the emulator settings of an emu source; `prefix`
     a prefix cache in front of prefill (the trace must name prefixes). `results`: the list each
     finished run is appended to (default a new one), so that a caller keeps the finished runs
     when a later one is interrupted. `failed`: where given, a run that fails after the checks
-    is recorded there as {"policy", "rate", "error"} and the others go on; else it raises."""
+    is recorded there as {"policy", "rate", "error"} and the others go on; else it raises.
+    check_only: make every check that needs no measurement nor simulation, and return []."""
     if not isinstance(trace, RequestTrace):
         trace = load_trace(trace)
     if requests is not None:
@@ -71,7 +72,9 @@ def simulate(trace, policies=("odma", "static", "paged"), rates=(None,), *,
     arrivals = [arrival_seconds(trace, rate, time_scale, seed) for rate in rates]
     _, _, _, setup.max_model_len, _, _ = fit_lengths(trace, max_model_len, m, clip)
     setup.pool_bytes()
-    setup.timing = make_timing(source, dev.bandwidth_gbps, emu)
+    setup.timing = make_timing(source, dev.bandwidth_gbps, emu, check_only=check_only)
+    if check_only:
+        return []
     out = [] if results is None else results
     for rate, arr in zip(rates, arrivals):
         for p in policies:
@@ -169,9 +172,10 @@ def plot(results: list[dict], path: str) -> None:
     plotting.save(fig, path)
 
 
-def compute(args, results: list | None = None, failed: list | None = None) -> dict:
+def compute(args, results: list | None = None, failed: list | None = None,
+            check_only: bool = False) -> dict:
     """The JSON object of `odma-hw simulate` for parsed arguments (with the time series);
-    `results` and `failed` as simulate() takes them."""
+    `results`, `failed` and `check_only` as simulate() takes them."""
     policies = _policies(args.policy)
     config = AllocatorConfig(alpha=args.alpha, tau=args.tau, n_buckets=args.buckets,
                              bucket_rule=args.bucket_rule, bucket_basis=args.bucket_basis,
@@ -200,7 +204,7 @@ def compute(args, results: list | None = None, failed: list | None = None) -> di
         progress=not args.json or sys.stderr.isatty(),
         max_batch=args.max_batch, mfu=args.mfu, memory_utilization=args.memory_utilization,
         kv_pool_gb=args.kv_pool_gb, paged_layout=args.layout, page_tokens=args.page_tokens,
-        predictor=args.predictor, results=results, failed=failed)
+        predictor=args.predictor, results=results, failed=failed, check_only=check_only)
     return {"schema": SCHEMA, "results": results, "failed": failed or []}
 
 

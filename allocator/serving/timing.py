@@ -153,13 +153,9 @@ class EmuTiming(MemoryTiming):
     """Emulated efficiencies x the card's bandwidth (see the module docstring)."""
 
     def __init__(self, bandwidth_gbps: float, settings: EmuSettings = EmuSettings()):
-        from odma_hw.emu.specs import device_spec
-
         self.settings = s = settings
         self.bandwidth_gbps = float(bandwidth_gbps)
-        self.dev = device_spec(s.preset, channels=s.channels, interleave=s.interleave)
-        if not 1 <= s.streams <= MAX_STREAMS:
-            raise BadArgument(f"streams must be between 1 and {MAX_STREAMS}, got {s.streams}")
+        self.dev = check_emu(s)
         self.footprint = min(s.footprint, self.dev.total_bytes)
         self.source = f"emu:{s.preset}"
         key = json.dumps(dataclasses.asdict(s), sort_keys=True)
@@ -335,16 +331,40 @@ def live_timing(spec: str, sizes=(4096, 16384, 65536, 262144, 1 << 20),
     return MeasuredTiming(f"live:{m['device']}", m["runs_gbps"], m["seq_gbps"], m["copy_gbps"])
 
 
-def make_timing(source: str, bandwidth_gbps: float, settings: EmuSettings | None = None
-                ) -> MemoryTiming:
-    """`emu:PRESET`, `probe:FILE` or `live:torch:DEVICE` -> a timing source."""
+def check_emu(s: EmuSettings):
+    """The emulated device of settings `s` (its DeviceSpec); BadArgument for what EmuTiming
+    would refuse."""
+    from odma_hw.emu.specs import device_spec
+
+    dev = device_spec(s.preset, channels=s.channels, interleave=s.interleave)
+    if not 1 <= s.streams <= MAX_STREAMS:
+        raise BadArgument(f"streams must be between 1 and {MAX_STREAMS}, got {s.streams}")
+    return dev
+
+
+def make_timing(source: str, bandwidth_gbps: float, settings: EmuSettings | None = None, *,
+                check_only: bool = False) -> MemoryTiming | None:
+    """`emu:PRESET`, `probe:FILE` or `live:torch:DEVICE` -> a timing source. check_only: make
+    only the checks that need no measurement (the emulator settings, the probe file, that the
+    torch device is there) and return None."""
     kind, _, arg = source.partition(":")
     if kind == "emu" and arg:
-        s = settings or EmuSettings()
-        return EmuTiming(bandwidth_gbps, dataclasses.replace(s, preset=arg))
+        s = dataclasses.replace(settings or EmuSettings(), preset=arg)
+        if check_only:
+            check_emu(s)
+            return None
+        return EmuTiming(bandwidth_gbps, s)
     if kind == "probe" and arg:
-        return probe_timing(arg)
+        t = probe_timing(arg)
+        return None if check_only else t
     if kind == "live" and arg.startswith("torch:"):
+        if check_only:
+            from allocator.pool import resolve_device
+
+            dev, owned = resolve_device(arg)
+            if owned:
+                dev.close()
+            return None
         return live_timing(arg)
     raise BadArgument(f"unknown timing source {source!r}: expected emu:PRESET, probe:FILE or "
                       f"live:torch:DEVICE")
