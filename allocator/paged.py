@@ -62,6 +62,33 @@ class PagedBlock(PinnedBlock):
             pos += n
 
 
+class FreePages:
+    """The FIFO free list of pages 0..n-1 that holds only pages once freed: the pages never used
+    are the range [fresh, n), and they come before every freed page (a freed page goes to the
+    tail, behind them), so pages come out in the order deque(range(n)) gives, while memory
+    follows the pages used, not the pool's size."""
+
+    def __init__(self, n: int):
+        self.n = n
+        self.fresh = 0
+        self.freed: collections.deque = collections.deque()
+
+    def __len__(self) -> int:
+        return self.n - self.fresh + len(self.freed)
+
+    def __iter__(self):
+        yield from range(self.fresh, self.n)
+        yield from self.freed
+
+    def take(self, k: int) -> list:
+        new = range(self.fresh, min(self.n, self.fresh + k))
+        self.fresh += len(new)
+        return [*new, *(self.freed.popleft() for _ in range(k - len(new)))]
+
+    def extend(self, pages) -> None:
+        self.freed.extend(pages)
+
+
 class PagedAllocator(PoolAllocator):
     """Invariants (check()): every page is either in the free list or in exactly one live
     request's page list; a request holds ceil(tokens / page_tokens) pages at least."""
@@ -92,13 +119,12 @@ class PagedAllocator(PoolAllocator):
         except BaseException:
             self._pool.close()
             raise
-        self._free = collections.deque(range(self.n_pages))
+        self._free = FreePages(self.n_pages)
         self.segments_sum = 0
         self.segments_max = 0
 
     def _take(self, n):
-        free = self._free
-        return [free.popleft() for _ in range(n)]
+        return self._free.take(n)
 
     def reserve(self, request_id, prompt_tokens, predicted_tokens=0.0, uncertainty=0.0):
         """Pages for the prompt (at least one); the prediction is not used. Raises as

@@ -34,6 +34,17 @@ def check_plot_path(path: str) -> None:
         raise BadArgument(f"--plot {path!r}: folder {folder} does not exist")
     if not os.access(folder, os.W_OK):
         raise BadArgument(f"--plot {path!r}: folder {folder} is not writable")
+    existed = os.path.exists(path)
+    try:                    # what access() cannot tell: a file system that takes no new files
+        with open(path, "ab"):
+            pass
+    except OSError as exc:
+        raise BadArgument(f"--plot {path!r}: cannot write there: {exc.strerror or exc}") from None
+    if not existed:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
     ext = os.path.splitext(path)[1].lstrip(".").lower()
     fig = plt.figure()
     try:

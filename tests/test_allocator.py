@@ -5,10 +5,13 @@ Sizes are small (bytes_per_token = 256 B, pools of a few MiB) so the suite is qu
 
 from __future__ import annotations
 
+import collections
 import math
 import random
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from allocator import (LARGE, AllocatorConfig, BadArgument, ClusterManager, DuplicateRequest,
                        MigrationFailed, OdmaError, OracleAllocator, OutOfMemory, PagedAllocator,
@@ -471,3 +474,34 @@ def test_tlsf_refuses_only_when_no_free_range_fits():
     t.free(offs[1])
     assert t.alloc(192) == 0                   # ranges 0..2 coalesced
     t.check()
+
+
+@settings(max_examples=60, deadline=None)
+@given(ops=st.lists(st.integers(-6, 6), max_size=60))
+def test_paged_free_pages_come_out_in_fifo_order_and_hold_only_freed_pages(ops):
+    """FreePages against the plain FIFO deque(range(n)) it replaces: the same pages in the same
+    order, while it stores only pages once freed."""
+    from allocator.paged import FreePages
+
+    n = 40
+    lazy, plain, held = FreePages(n), collections.deque(range(n)), []
+    for k in ops:
+        if k > 0 and k <= len(plain):
+            got = lazy.take(k)
+            assert got == [plain.popleft() for _ in range(k)]
+            held += got
+        elif k < 0 and held:
+            back = held[:-k]
+            del held[:-k]
+            lazy.extend(back)
+            plain.extend(back)
+        assert len(lazy) == len(plain) and list(lazy) == list(plain)
+        assert len(lazy.freed) <= n - len(held) - (n - lazy.fresh)
+
+
+def test_a_huge_paged_pool_costs_no_memory_until_used():
+    from allocator.paged import PagedAllocator
+
+    with PagedAllocator(None, 1 << 50, 256, 256) as p:        # 2^34 pages of 16 tokens
+        p.reserve("r", 100)
+        assert p.stats()["live_capacity_tokens"] == 112 and len(p._free.freed) == 0

@@ -244,6 +244,10 @@ def small_trace(tmp_path):
     (["--mfu", "2"], "mfu"),
     (["--timing", "magic:x"], "timing source"),
     (["--max-model-len", "200000"], "context"),
+    (["--tp", "3"], "28 query and 4 KV heads"),       # vLLM refuses an uneven split too
+    (["--tp", "8"], "28 query and 4 KV heads"),
+    (["--kv-pool-gb", "1e9"], "does not fit on a mlu370-x4 card"),
+    (["--plot", "/proc/x.png"], "cannot write there"),
 ])
 def test_bad_usage_exits_2_with_one_line_before_any_work(small_trace, capsys, tmp_path,
                                                          monkeypatch, args, message):

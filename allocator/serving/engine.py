@@ -90,6 +90,13 @@ class ServingSetup:
             raise BadArgument(f"unknown dtype {self.dtype!r}: expected bf16 or int8")
         if not (isinstance(self.tp, int) and 1 <= self.tp <= 64):
             raise BadArgument(f"tp must be an integer in [1, 64], got {self.tp!r}")
+        m, tp = self.model, self.tp
+        # vLLM's rule: query heads split evenly; KV heads split evenly, or, with more cards
+        # than KV heads, each is replicated on tp / kv_heads cards
+        if m.heads % tp or (m.kv_heads % tp if tp <= m.kv_heads else tp % m.kv_heads):
+            raise BadArgument(f"--tp {tp} does not split {m.name}'s {m.heads} query and "
+                              f"{m.kv_heads} KV heads evenly: use a TP that divides {m.heads} "
+                              f"and divides or is a multiple of {m.kv_heads}")
         if not 0 < self.mfu <= 1:
             raise BadArgument(f"mfu must be in (0, 1], got {self.mfu}")
         if not 0 < self.memory_utilization <= 1:
@@ -99,7 +106,8 @@ class ServingSetup:
     # -- what one card holds and reads ---------------------------------------------------------
     @property
     def kv_heads_per_card(self) -> int:
-        """KV heads split over TP cards; with fewer heads than cards each card keeps one."""
+        """KV heads split over TP cards; with fewer heads than cards each card keeps one (a
+        replica of it)."""
         return max(1, self.model.kv_heads // self.tp)
 
     @property
@@ -113,10 +121,16 @@ class ServingSetup:
         return self.model.streamed_weight_bytes(self.dtype) / self.tp
 
     def pool_bytes(self) -> int:
-        if self.kv_pool_gb is not None:
-            return int(self.kv_pool_gb * 1e9)
         free = (self.memory_utilization * self.device.capacity_gb * 1e9
                 - self.model.weight_bytes(self.dtype) / self.tp)
+        if self.kv_pool_gb is not None:
+            room = self.device.capacity_gb * 1e9 - self.model.weight_bytes(self.dtype) / self.tp
+            if self.kv_pool_gb * 1e9 > room:
+                raise BadArgument(
+                    f"--kv-pool-gb {self.kv_pool_gb:g} does not fit on a {self.device.name} "
+                    f"card: {self.device.capacity_gb:g} GB less {self.model.name}'s weights "
+                    f"({self.dtype}, TP{self.tp}) leaves {max(room, 0) / 1e9:.2f} GB")
+            return int(self.kv_pool_gb * 1e9)
         if free < self.max_model_len * self.kv_bytes_per_token:
             raise BadArgument(
                 f"{self.model.name} ({self.dtype}) leaves {max(free, 0) / 1e9:.2f} GB per "
