@@ -4,13 +4,16 @@ served when their bytes are bad."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import gc
 import hashlib
 import os
 import random
 import struct
 import threading
 import time
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -416,6 +419,40 @@ def test_host_tier_bytes_are_checked_on_restore_when_verify(rigs, verify):
     rig.cache.check()
 
 
+def corrupt_entry(rig, tmp_path, key: str, tokens: int, where: str) -> None:
+    """Offer `key`, move it to the `where` tier and flip one byte of its bytes there."""
+    rig.offer(key, tokens)
+    rig.cache.evict("device", 1)
+    if where == "host":
+        host_block = rig.cache._index[key].storage
+        byte = host_block.read(1, offset=777)
+        host_block.write(bytes([byte[0] ^ 1]), offset=777)
+        return
+    rig.cache.evict("host", 1)
+    (path,) = tmp_path.glob("*.kv")
+    raw = bytearray(path.read_bytes())
+    raw[disk_module.HEADER_BYTES + 777] ^= 1
+    path.write_bytes(bytes(raw))
+
+
+# host views of the block: the one-pass copy + checksum; emu: the copy through host memory (a disk
+# read into a block that is no host memory was always checked before its copy)
+@pytest.mark.parametrize("spec,where", [("host", "host"), ("host", "disk"),
+                                        ("torch:cpu", "host"), ("torch:cpu", "disk"),
+                                        ("emu:lpddr5-6400", "host")])
+def test_a_corrupted_entry_leaves_the_requests_block_as_it_was(rigs, tmp_path, spec, where):
+    rig = rigs(spec, tmp_path, device_bytes=64 * BPT, host_bytes=64 * BPT, disk_bytes=1 << 20)
+    corrupt_entry(rig, tmp_path, "p", 20, where)
+    blk = rig.block(20)
+    own = kv("the request's own", 20)
+    blk.write(own)
+    covered, _ = rig.cache.restore("p", blk, 20)
+    assert covered == 0 and rig.cache.stats()["drops"]["corrupt"] == 1
+    assert blk.read(20 * BPT) == own
+    rig.requests.release(blk.request_id)
+    rig.cache.check()
+
+
 def test_a_different_length_under_one_key_is_a_collision(rigs):
     rig = rigs("host", device_bytes=64 * BPT)
     rig.offer("p", 20)
@@ -680,6 +717,81 @@ def test_arguments_are_validated_with_one_line_reasons(rigs):
         rig.cache.evict("gpu", 1)
 
 
+def test_sizes_beyond_a_64_bit_byte_offset_are_refused_with_one_line_reasons():
+    for args in (dict(bytes_per_token=10 ** 300), dict(device_bytes=10 ** 300),
+                 dict(host_bytes=10 ** 300), dict(disk_bytes=10 ** 300),
+                 dict(device_bytes=1 << 63)):
+        name = next(iter(args))
+        bpt = args.pop("bytes_per_token", BPT)
+        with pytest.raises(BadArgument, match=f"{name} must be at most 2\\*\\*63 - 1 bytes") as err:
+            PrefixCache(None, bpt, bandwidth=BW, **args)
+        assert "\n" not in str(err.value) and len(str(err.value)) < 100
+    with PrefixCache(None, BPT, device_bytes=(1 << 63) - 1, bandwidth=BW) as c:
+        assert c.capacity["device"] == (1 << 63) - 1
+
+
+def test_a_bytes_disk_dir_is_refused_with_one_line_reason(tmp_path):
+    with pytest.raises(BadArgument, match="disk_dir must be a str path, not bytes"):
+        PrefixCache("host", BPT, disk_bytes=1 << 20, disk_dir=os.fsencode(tmp_path))
+
+
+def finishes(call, seconds: float = 30.0, unblock=None):
+    """call() in a thread: what it returned, or a failure if it is still blocked after `seconds`
+    (then unblock() lets it go, so no thread is left hanging)."""
+    out: dict = {}
+
+    def run():
+        try:
+            out["value"] = call()
+        except BaseException as exc:  # noqa: BLE001 - raised again in the test's thread
+            out["error"] = exc
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(seconds)
+    if t.is_alive():
+        if unblock is not None:
+            unblock()
+        t.join(seconds)
+        pytest.fail(f"still blocked after {seconds} s")
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
+
+
+def open_fifo_writer(path):
+    """Open a FIFO for writing: a reader blocked opening it returns."""
+    with contextlib.suppress(OSError):
+        os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs here")
+def test_a_fifo_named_like_a_prefix_file_is_skipped_without_blocking(tmp_path):
+    fifo = tmp_path / f"{disk_module.key_digest('p')}.00000000{disk_module.SUFFIX}"
+    os.mkfifo(fifo)
+    cache = finishes(lambda: PrefixCache("host", BPT, device_bytes=64 * BPT, disk_bytes=1 << 20,
+                                         disk_dir=str(tmp_path)),
+                     unblock=lambda: open_fifo_writer(fifo))
+    try:
+        st = cache.stats()
+        assert st["reindexed"] == 0 and st["drops"] == dict.fromkeys(st["drops"], 0)
+        assert fifo.exists() and cache.lookup("p") == (None, 0)    # not ours: left alone
+        cache.check()
+    finally:
+        cache.close()
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs here")
+def test_a_spilled_file_replaced_by_a_fifo_is_an_io_error_not_a_hang(disk_rig):
+    path = spill_to_disk(disk_rig, "p", 30)
+    path.unlink()
+    os.mkfifo(path)
+    covered, _, _ = finishes(lambda: disk_rig.restore("p", 30),
+                             unblock=lambda: open_fifo_writer(path))
+    assert covered == 0 and disk_rig.cache.stats()["drops"]["io_error"] == 1
+    disk_rig.cache.check()
+
+
 def test_a_closed_cache_refuses_calls_and_close_is_idempotent():
     c = PrefixCache("host", BPT, device_bytes=64 * BPT, host_bytes=64 * BPT)
     c.close()
@@ -767,3 +879,63 @@ def test_a_failed_promotion_leaves_the_entry_where_it_was(rigs, monkeypatch, spe
     assert rig.restore("p", 20)[2] == kv("p", 20)
     assert rig.cache.lookup("p") == ("device", 20)
     rig.cache.check()
+
+
+def resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="no /proc/self/statm here")
+def test_tiers_take_host_memory_as_prefixes_fill_them_not_when_made():
+    tier = 512 << 20
+    before = resident_bytes()
+    with PrefixCache("host", BPT, device_bytes=tier, host_bytes=tier) as c:
+        assert resident_bytes() - before < tier // 8          # nowhere near the tiers' 1 GiB
+        dev = devices.open("host")
+        requests = OracleAllocator(dev, 1 << 20, BPT, 1024)
+        try:
+            blk = requests.reserve("r", 19, 1)
+            blk.write(kv("p", 20))
+            c.offer("p", blk, 20)
+            c.evict("device", 1)
+            blk.write(bytes(20 * BPT))
+            assert c.restore("p", blk, 20)[0] == 20 and blk.read(20 * BPT) == kv("p", 20)
+            assert c.lookup("p") == ("device", 20)
+            c.check()
+        finally:
+            requests.close()
+            dev.close()
+
+
+def promotion_workers() -> list:
+    return [t for t in threading.enumerate() if t.name == "odma-prefix-promote"]
+
+
+def test_caches_dropped_without_close_free_their_memory_and_worker_at_once(monkeypatch):
+    # an idle worker that nothing stops would outlive the whole test
+    monkeypatch.setattr(cache_module, "WORKER_IDLE_S", 3600.0)
+    dev = devices.open("host")
+    requests = OracleAllocator(dev, 1 << 20, BPT, 1024)
+    threads = threading.active_count()
+    gc.disable()                              # freed by reference counting, not by a collection
+    try:
+        for i in range(50):
+            c = PrefixCache("host", BPT, device_bytes=64 * BPT, host_bytes=64 * BPT)
+            blk = requests.reserve(i, 19, 1)
+            blk.write(kv("p", 20))
+            c.offer("p", blk, 20)
+            c.evict("device", 1)
+            assert c.restore("p", blk, 20)[0] == 20        # its promotion starts the worker
+            requests.release(i)
+            assert c.lookup("p") == ("device", 20) and promotion_workers()
+            pools, ref = c._pools, weakref.ref(c)
+            del c
+            assert ref() is None and pools == {"device": None, "host": None}
+            for t in promotion_workers():
+                t.join(60)
+            assert not promotion_workers() and threading.active_count() <= threads
+    finally:
+        gc.enable()
+        requests.close()
+        dev.close()

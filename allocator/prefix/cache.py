@@ -12,9 +12,11 @@ disk, as exact-size contiguous blocks.
 Tiers
 -----
 - device: a pool of `device_bytes` on the serving device (an OracleAllocator: exact-size blocks
-  in TLSF free space, the allocator's pins). Restoring from it is one Device.copy.
-- host: a pool of `host_bytes` in host memory (the serving device itself when it is host memory,
-  pinned CPU tensors for a torch accelerator, the native host device's huge pages otherwise).
+  in TLSF free space, the allocator's pins). Restoring from it is one device copy. On the native
+  host device the pool is the same DRAM mapped lazily (allocator/prefix/memory.py).
+- host: a pool of `host_bytes` in host memory (CPU tensors for torch:cpu, pinned CPU tensors for a
+  torch accelerator, lazily mapped host memory otherwise: pages are taken as prefixes fill the
+  tier, so a tier of many GiB costs nothing to set up).
 - disk: one file per prefix in `disk_dir` (allocator/prefix/disk.py), `disk_bytes` of files at
   most (headers counted). Files outlive the cache: a new cache on the same directory re-indexes
   them after checking their headers (payload checksums are checked on every read).
@@ -36,7 +38,10 @@ Integrity
 Bytes in host memory carry a checksum (allocator/prefix/kernels.py), computed in the pass that
 brings them there. Disk reads are always checked; host-tier reads are checked when `verify`
 (default). A mismatch drops the entry (counted as corrupt) and the restore returns 0 tokens:
-the caller recomputes, and bad bytes are never reported as a prefix. A restore with `tokens`
+the caller recomputes, and bad bytes are never reported as a prefix. Bytes bound for a request's
+block that holds bytes of its own (Block.written) are checked before they are copied (one more
+read of them), so a bad entry leaves the request's bytes as they were; bytes bound for a fresh
+block or a tier are checked in the pass that copies them. A restore with `tokens`
 different from the entry's is a key collision: the entry is dropped, nothing is copied. A
 promotion copies from the request's block, whose bytes the restore just checked, and does not
 check them again on the device; a failed promotion leaves the entry where it was.
@@ -58,6 +63,8 @@ a restore of it waits until it settles; an entry dropped meanwhile is freed by t
 reading it when that thread lets go. Request blocks are pinned (BlockPin) while bytes move in or
 out of them, so a release waits for the copy. Every public call first waits for background
 promotions to finish, so a single-threaded caller sees exactly the decisions accounting mode makes.
+The promotion worker holds no reference to the cache while it waits for work: a cache dropped
+without close() is freed when its last reference goes, memory and worker thread with it.
 """
 
 from __future__ import annotations
@@ -71,6 +78,7 @@ import math
 import random
 import threading
 import time
+import weakref
 
 import numpy as np
 
@@ -83,7 +91,7 @@ from allocator.errors import AllocatorClosed, OutOfMemory, require
 from allocator.pool import BlockPin, resolve_device
 from allocator.prefix import disk
 from allocator.prefix.kernels import copy_digest, digest
-from allocator.prefix.memory import host_tier_device, host_view, move
+from allocator.prefix.memory import host_view, move, tier_devices
 from allocator.prefix.order import TierOrder
 
 TIERS = ("device", "host", "disk")
@@ -92,6 +100,7 @@ DROP_REASONS = ("corrupt", "collision", "io_error", "full")
 POOL_ALIGNMENT = 256        # block rounding of both pools on every device (and in accounting)
 MAX_ROOM_ROUNDS = 10_000    # victims one make-room may demote before giving up
 WORKER_IDLE_S = 2.0         # the promotion worker exits after this long without work
+MAX_BYTES = (1 << 63) - 1   # sizes beyond a signed 64-bit byte offset address nothing real
 
 
 def prefix_key(token_ids) -> str:
@@ -108,6 +117,15 @@ def prefix_key(token_ids) -> str:
     if arr.dtype.kind == "u" and arr.size and int(arr.max()) > np.iinfo(np.int64).max:
         raise BadArgument("token ids must fit in int64")
     return hashlib.sha256(arr.astype("<i8", copy=False).tobytes()).hexdigest()
+
+
+def _byte_count(name: str, v, positive: bool = False) -> int:
+    """A size in bytes: an integer >= 0 (> 0 when `positive`) and at most MAX_BYTES."""
+    v = (positive_count if positive else count)(name, v)
+    if v > MAX_BYTES:
+        raise BadArgument(f"{name} must be at most 2**63 - 1 bytes, got about "
+                          f"2**{v.bit_length() - 1}")
+    return v
 
 
 def _bandwidth(name: str, v) -> float:
@@ -180,6 +198,94 @@ class _Entry:
         return f"_Entry({self.key!r}, {self.tokens} tokens, {self.tier})"
 
 
+class _PromotionQueue:
+    """A cache's background promotions: jobs (callables) and the worker thread that runs them.
+    The cache and its worker share this and it references no cache, so an idle worker keeps no
+    cache alive: a cache dropped without close() is freed at once, and its finalizer stops the
+    worker. A queued job references its cache, which therefore lives until its jobs ran.
+
+    jobs counts jobs queued or running; errors keeps what the latest failed jobs raised (bounded,
+    as a long run may fail many)."""
+
+    def __init__(self):
+        # reentrant: the finalizer that calls stop() runs in whichever thread drops the cache or
+        # collects it, the worker included, possibly while that thread holds this lock
+        self.cond = threading.Condition(threading.RLock())
+        self.pending: collections.deque = collections.deque()
+        self.jobs = 0
+        self.errors: collections.deque = collections.deque(maxlen=10)
+        self._running = False
+        self._stopped = False
+
+    def submit(self, job) -> None:
+        """Queue `job` for the worker (started on first use; it exits after WORKER_IDLE_S without
+        work, so an idle cache holds no thread)."""
+        with self.cond:
+            self.jobs += 1
+            self.pending.append(job)
+            self.cond.notify_all()
+            if self._running:
+                return
+            self._running = True
+        try:
+            threading.Thread(target=self.work, name="odma-prefix-promote", daemon=True).start()
+        except RuntimeError:        # no thread to be had: the caller runs the queue itself
+            self.work(idle_s=0.0)
+
+    def work(self, idle_s: float | None = None) -> None:
+        if idle_s is None:
+            idle_s = WORKER_IDLE_S
+        while True:
+            with self.cond:
+                idle_until = time.monotonic() + idle_s
+                while not self.pending:
+                    left = idle_until - time.monotonic()
+                    if left <= 0 or self._stopped:
+                        self._running = False
+                        return
+                    self.cond.wait(left)
+                job = self.pending.popleft()
+            try:
+                job()
+            except Exception as exc:  # noqa: BLE001 - the worker must outlive any job
+                with self.cond:
+                    self.errors.append(f"{type(exc).__name__}: {exc}")
+            finally:
+                # let go of the job's cache before waiting for the next (its last reference may be
+                # this one: the cache is then finalized here, which stops this worker)
+                job = None
+                with self.cond:
+                    self.jobs -= 1
+                    self.cond.notify_all()
+
+    def drain(self) -> None:
+        """Wait until no job is queued or running."""
+        with self.cond:
+            while self.jobs:
+                self.cond.wait()
+
+    def stop(self) -> None:
+        """The worker exits as soon as the queue is empty."""
+        with self.cond:
+            self._stopped = True
+            self.cond.notify_all()
+
+
+def _release(queue: _PromotionQueue, pools: dict, owned: list) -> None:
+    """Stop the promotion worker, free the device and host tiers' memory, close the devices the
+    cache opened: close() calls it, and so does the garbage collector for a cache dropped without
+    close() (it holds no reference to the cache)."""
+    queue.stop()
+    try:
+        for tier in ("device", "host"):
+            pool, pools[tier] = pools[tier], None
+            if pool is not None:
+                pool.close()
+    finally:
+        while owned:
+            owned.pop().close()
+
+
 class _Failed(Exception):
     """A transfer that failed for a reason the cache counts: args = (drop reason, seconds it
     spent)."""
@@ -198,10 +304,10 @@ class PrefixCache:
                  host_bytes: int = 0, disk_bytes: int = 0, disk_dir: str | None = None,
                  eviction: str = "lru", seed: int = 0, verify: bool = True,
                  bandwidth: TierBandwidth | None = None):
-        self.bytes_per_token = positive_count("bytes_per_token", bytes_per_token)
-        capacity = {"device": count("device_bytes", device_bytes),
-                    "host": count("host_bytes", host_bytes),
-                    "disk": count("disk_bytes", disk_bytes)}
+        self.bytes_per_token = _byte_count("bytes_per_token", bytes_per_token, positive=True)
+        capacity = {"device": _byte_count("device_bytes", device_bytes),
+                    "host": _byte_count("host_bytes", host_bytes),
+                    "disk": _byte_count("disk_bytes", disk_bytes)}
         if eviction not in EVICTIONS:
             raise BadArgument(f"unknown eviction {eviction!r}: expected one of "
                               f"{', '.join(EVICTIONS)}")
@@ -230,6 +336,9 @@ class PrefixCache:
         self._pools: dict = {"device": None, "host": None}
         self._host_device = None
         self._owned_devices: list = []
+        self._queue = _PromotionQueue()
+        self._finalizer = weakref.finalize(self, _release, self._queue, self._pools,
+                                           self._owned_devices)
         self.device, owns = resolve_device(device)
         try:
             if owns:
@@ -239,15 +348,17 @@ class PrefixCache:
             if bandwidth is None and self.device is not None and self._modelled:
                 bandwidth = TierBandwidth(device_copy_gbps=self.device.info.peak_gbps or 1.0)
             self.bandwidth = bandwidth
-            if self.holds_bytes and capacity["host"]:
-                self._host_device, owns_host = host_tier_device(self.device)
-                if owns_host:
-                    self._owned_devices.append(self._host_device)
-            for tier, dev in (("device", self.device), ("host", self._host_device)):
+            tier_dev = {"device": None, "host": None}
+            if self.holds_bytes:
+                tier_dev["device"], tier_dev["host"], opened = tier_devices(
+                    self.device, capacity["device"] > 0, capacity["host"] > 0)
+                self._owned_devices.extend(opened)
+                self._host_device = tier_dev["host"]
+            for tier in ("device", "host"):
                 if capacity[tier]:
-                    self._pools[tier] = self._make_pool(tier, dev, capacity[tier])
+                    self._pools[tier] = self._make_pool(tier, tier_dev[tier], capacity[tier])
         except BaseException:
-            self._release_resources()
+            self._finalizer()
             raise
 
         self._rng = random.Random(seed)
@@ -256,10 +367,7 @@ class PrefixCache:
         self._tick = 0
         self._eids = itertools.count(1)
         self._disk_used = 0
-        self._jobs = 0                            # background promotions queued or running
         self._active = 0                          # public calls running
-        self._pending: collections.deque = collections.deque()
-        self._worker_running = False
         self.hits = dict.fromkeys(TIERS, 0)
         self.misses = 0
         self.covered_tokens = 0
@@ -268,9 +376,6 @@ class PrefixCache:
         self.moved_bytes: dict = collections.defaultdict(int)
         self.moved_seconds: dict = collections.defaultdict(float)
         self.background_seconds = 0.0
-        # what the latest failed promotions raised (stats() shows them; bounded, as a long run
-        # may fail many)
-        self.background_errors: collections.deque = collections.deque(maxlen=10)
         self.offers = 0
         self.promotions = 0
         self.prefetched = 0
@@ -281,7 +386,7 @@ class PrefixCache:
                 self._reindex()
             except BaseException:
                 self._closed = True
-                self._release_resources()
+                self._finalizer()
                 raise
 
     # -- construction helpers --------------------------------------------------------------------
@@ -296,14 +401,6 @@ class PrefixCache:
                               f"{self.bytes_per_token} B (after {align}-byte alignment)")
         config = AllocatorConfig(byte_alignment=align, large_share=0.0, background_refresh=False)
         return OracleAllocator(dev, usable, self.bytes_per_token, max_tokens, config)
-
-    def _release_resources(self) -> None:
-        for tier in ("device", "host"):
-            pool, self._pools[tier] = self._pools[tier], None
-            if pool is not None:
-                pool.close()
-        while self._owned_devices:
-            self._owned_devices.pop().close()
 
     def _reindex(self) -> None:
         """Index the prefix files a previous cache left in disk_dir (oldest first); drop files
@@ -520,17 +617,26 @@ class PrefixCache:
         """The byte-moving half of _transfer; returns the device's own seconds when one
         Device.copy did the move, else None."""
         whole = n == e.nbytes
+        # Bytes bound for a request's block that holds bytes of its own (below its `written` mark,
+        # which is also all a migration keeps) are checked before they are copied: a bad entry
+        # must leave the request's bytes as they were. Into a fresh block, or a tier's fresh room,
+        # the one-pass copy + checksum is enough: bad bytes there are never reported as a prefix.
+        # A partial copy needs the whole entry's sum first in any case.
+        check_first = not whole or (dst == "request" and dst_storage.block.written > 0)
         if src == "disk":
             expect = disk.FileHeader(e.key, e.tokens, e.nbytes, self.bytes_per_token, e.checksum)
             to = self._place(dst, dst_storage, n, pins, writing=True)
 
             def consume(payload):
                 view = host_view(*to, n)
-                if whole and view is not None:
+                if view is not None and not check_first:
                     return copy_digest(view, payload)      # one pass: copy + checksum
                 got = digest(payload)
                 if got == e.checksum:
-                    to[0].write(to[1], to[2], payload[:n])
+                    if view is None:
+                        to[0].write(to[1], to[2], payload[:n])
+                    else:
+                        copy_digest(view, payload[:n])     # for its parallel streaming copy
                 return got
 
             if disk.read_payload(src_storage, expect, consume) != e.checksum:
@@ -550,7 +656,7 @@ class PrefixCache:
             return None
         to = self._place(dst, dst_storage, n, pins, writing=True)
         check = src == "host" and self.verify and e.checksum is not None
-        if check and not whole:                  # a partial copy: check the whole entry first
+        if check and check_first:
             entire = self._place(src, src_storage, e.nbytes, pins, False)
             if digest(host_view(*entire, e.nbytes)) != e.checksum:
                 raise _Failed("corrupt")
@@ -655,47 +761,9 @@ class PrefixCache:
         return seconds, moved
 
     # -- background promotion ------------------------------------------------------------------------
-    def _submit(self, job) -> None:
-        """Queue `job` for the promotion worker (started on first use; it exits after
-        WORKER_IDLE_S without work, so an idle or forgotten cache holds no thread)."""
-        with self._lock:
-            self._jobs += 1
-            self._pending.append(job)
-            self._cond.notify_all()
-            if self._worker_running:
-                return
-            self._worker_running = True
-        try:
-            threading.Thread(target=self._work, name="odma-prefix-promote", daemon=True).start()
-        except RuntimeError:        # no thread to be had: the caller runs the queue itself
-            self._work(idle_s=0.0)
-
-    def _work(self, idle_s: float = WORKER_IDLE_S) -> None:
-        while True:
-            with self._lock:
-                idle_until = time.monotonic() + idle_s
-                while not self._pending:
-                    left = idle_until - time.monotonic()
-                    if left <= 0 or self._closed:
-                        self._worker_running = False
-                        return
-                    self._cond.wait(left)
-                job = self._pending.popleft()
-            try:
-                job()
-            except Exception as exc:  # noqa: BLE001 - the worker must outlive any job
-                with self._lock:
-                    self.background_errors.append(f"{type(exc).__name__}: {exc}")
-            finally:
-                with self._lock:
-                    self._jobs -= 1
-                    self._cond.notify_all()
-
     def _drain(self) -> None:
         """Wait for queued promotions (so decisions follow the calls' order)."""
-        with self._lock:
-            while self._jobs:
-                self._cond.wait()
+        self._queue.drain()
 
     def _promote(self, e: _Entry, source) -> float:
         """Move `e` up to the device tier, copying from `source` (a pinned request block holding
@@ -730,7 +798,7 @@ class PrefixCache:
                     source.release()
 
         if self.holds_bytes:
-            self._submit(job)
+            self._queue.submit(job)
         else:
             job()
 
@@ -959,6 +1027,8 @@ class PrefixCache:
         "request" is a request's block), evictions per tier, drops by reason, entries, payload
         bytes and reserved bytes per tier, capacities."""
         self._drain()
+        with self._queue.cond:
+            background_errors = list(self._queue.errors)
         with self._lock:
             entries = dict.fromkeys(TIERS, 0)
             payload = dict.fromkeys(TIERS, 0)
@@ -992,7 +1062,7 @@ class PrefixCache:
                 "moved_bytes": dict(self.moved_bytes),
                 "moved_seconds": dict(self.moved_seconds),
                 "background_seconds": self.background_seconds,
-                "background_errors": list(self.background_errors),
+                "background_errors": background_errors,
                 "reindexed": self.reindexed,
             }
 
@@ -1053,7 +1123,7 @@ class PrefixCache:
             require(disk_used == self._disk_used,
                     f"disk count {self._disk_used} B, files {disk_used} B")
             require(disk_used <= self.capacity["disk"], "disk tier over capacity")
-            require(self._jobs == 0, "background promotions left running")
+            require(self._queue.jobs == 0, "background promotions left running")
 
     # -- lifetime ----------------------------------------------------------------------------------
     def close(self) -> None:
@@ -1065,10 +1135,12 @@ class PrefixCache:
             if self._closed:
                 return
             self._closed = True                  # new calls are refused from here on
-            while self._active or self._jobs:    # running calls and their promotions finish
+            while self._active:                  # running calls finish ...
                 self._cond.wait()
+        self._drain()                            # ... and the promotions they queued
+        with self._lock:
             self._index.clear()
-        self._release_resources()
+        self._finalizer()
 
     def __enter__(self):
         return self

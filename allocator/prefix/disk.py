@@ -24,6 +24,7 @@ import hashlib
 import mmap
 import os
 import re
+import stat
 import struct
 import tempfile
 import zlib
@@ -52,6 +53,11 @@ class CorruptFile(Exception):
     the entry and counts it)."""
 
 
+class NotRegularFile(OSError):
+    """A path named like a prefix file that is no regular file (a FIFO, a device, a directory):
+    never ours, never read (a re-index skips it, a restore counts it as an I/O error)."""
+
+
 class FileHeader(NamedTuple):
     key: str
     tokens: int
@@ -75,6 +81,9 @@ def check_dir(path) -> str:
         path = os.fspath(path)
     except TypeError:
         raise BadArgument(f"disk_dir must be a path, got {path!r}") from None
+    if isinstance(path, bytes):    # file names are made as str and joined to it
+        raise BadArgument(f"disk_dir must be a str path, not bytes ({path!r}): decode it, e.g. "
+                          "with os.fsdecode")
     if not os.path.exists(path):
         raise BadArgument(f"disk_dir {path!r} does not exist")
     if not os.path.isdir(path):
@@ -152,11 +161,26 @@ def write_file(path: str, header: bytes, payload) -> None:
         raise
 
 
+def _open_regular(path: str):
+    """`path` opened for reading, and its size; NotRegularFile when it is not a regular file.
+    O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer (a regular file
+    ignores the flag)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise NotRegularFile(errno.EINVAL, "not a regular file", path)
+        return os.fdopen(fd, "rb"), st.st_size
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def read_header(path: str) -> tuple[FileHeader, int]:
     """(header, file size); CorruptFile when the file is not a whole prefix file, OSError when it
-    cannot be read."""
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
+    cannot be read (NotRegularFile when it is no regular file)."""
+    f, size = _open_regular(path)
+    with f:
         h = parse_header(f.read(HEADER_BYTES))
     if size != file_bytes(h.nbytes):
         raise CorruptFile(f"file has {size} B, its header says {file_bytes(h.nbytes)}")
@@ -167,8 +191,8 @@ def read_payload(path: str, expect: FileHeader, consume):
     """consume(payload) where payload is a read-only uint8 array over a mapping of the file, after
     checking that the file's header and size are what the index expects (CorruptFile if not);
     returns what consume returns. The array must not outlive the call."""
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
+    f, size = _open_regular(path)
+    with f:
         if size != file_bytes(expect.nbytes):
             raise CorruptFile(f"file has {size} B, expected {file_bytes(expect.nbytes)}")
         mm = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ)
@@ -212,7 +236,7 @@ def scan(directory: str, bytes_per_token: int):
         except CorruptFile:
             bad.append(path)
             continue
-        except OSError:
+        except OSError:                       # unreadable, or no regular file: not ours to judge
             continue
         if match.group(1) != key_digest(h.key):
             bad.append(path)
