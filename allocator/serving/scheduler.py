@@ -17,8 +17,15 @@ it through moved().
 
 from __future__ import annotations
 
+import collections
 import heapq
 import itertools
+import math
+
+from odma_hw.errors import BadArgument
+
+from allocator.errors import OutOfMemory
+from allocator.predictors import Request
 
 DISTANCES = 4                          # device, host, disk, none
 
@@ -148,3 +155,164 @@ class WaitingQueue:
                 continue
             return heap[0]
         return None
+
+
+class Scheduler:
+    """Every decision of one replica serving its requests, on a KV allocator, with an optional
+    prefix cache (vLLM v0 style, iteration level):
+    - admission: waiting requests in the queue's order while the allocator can reserve their KV
+      (no skipping), the batch holds at most max_batch requests and the admitted prompts at
+      most max_prefill tokens; a cached prefix is restored into the new block;
+    - after its prefill a request has made its first token; every decode step makes one more for
+      every running request. A request making its j-th token holds prompt + j tokens of KV (the
+      slot of the token being made included); when that outgrows its block it grows (the
+      allocator may migrate it), and on OutOfMemory it is preempted: its KV is freed and it goes
+      back to the front of the queue, to prefill its prompt and what it made again (recompute);
+    - a request that has made all its tokens finishes: its KV is freed (and offered to the
+      cache). A request done in its prefill never grows: its last token is output, never read.
+    What a decision costs in time is not decided here: the caller's executor (a timing model, or
+    a real model's forward passes) costs or runs the steps. `tot` counts the decisions."""
+
+    def __init__(self, alloc, predictor, requests: list, *, max_batch: int, max_prefill: int,
+                 bytes_per_token: int, cache=None, schedule: str = "fcfs", prefetch: int = 0,
+                 tot=None):
+        self.alloc = alloc
+        self.predictor = predictor
+        self.reqs = requests
+        self.max_batch = max_batch
+        self.max_prefill = max_prefill
+        self.bpt = bytes_per_token
+        self.cache = cache
+        self.prefetch_depth = prefetch
+        self.tot = collections.Counter() if tot is None else tot
+        reqs = requests
+        self.waiting = WaitingQueue(schedule, lambda i: reqs[i].arrival,
+                                    lambda i: reqs[i].prefix or None,
+                                    lambda key: DISTANCE[cache.lookup(key)[0]])
+        self.running: dict = {}
+        self.done = 0
+
+    def tier_of(self, r):
+        """The cache tier holding r's prefix, or None."""
+        return self.cache.lookup(r.prefix)[0] if self.cache is not None and r.prefix else None
+
+    def admit(self, now: float) -> tuple[list, float]:
+        """Admit from the queue: ([(id, request, tokens held, tokens the cache covered)],
+        seconds of the prefix restores). Raises BadArgument for a request that does not fit in
+        an empty pool (it never could)."""
+        admitted, tokens, restore = [], 0, 0.0
+        waiting, cache, tot = self.waiting, self.cache, self.tot
+        while waiting and len(self.running) + len(admitted) < self.max_batch:
+            i = waiting.head(now)
+            r = self.reqs[i]
+            held = r.prompt + r.made               # a rerun recomputes what it made
+            if admitted and tokens + held > self.max_prefill:
+                break
+            if r.predicted is None:
+                r.predicted = self.predictor.predict(_request(i, r))
+            L, u = r.predicted
+            try:
+                blk = self.alloc.reserve(i, held, max(0.0, L - r.made), u)
+            except OutOfMemory:
+                if not self.running and not admitted:
+                    raise BadArgument(
+                        f"request {i} ({r.prompt} + {r.gen} tokens) does not fit in an empty KV "
+                        f"pool of {self.alloc.pool_bytes / 1e9:.2f} GB") from None
+                break
+            waiting.remove(i)
+            covered = 0
+            if cache is not None and r.prefix:
+                tier = self.tier_of(r)
+                tot[f"prefix_{tier or 'miss'}"] += 1
+                if tier is not None:
+                    covered, secs = cache.restore(r.prefix, blk, r.prefix_tokens)
+                    restore += secs
+                    waiting.moved(r.prefix)
+            r.covered = covered
+            admitted.append((i, r, held, covered))
+            tokens += held - covered
+        return admitted, restore
+
+    def prefetch(self) -> float:
+        """Prefetch the prefixes of the next queued requests; seconds of the copies."""
+        if self.cache is None or not self.prefetch_depth:
+            return 0.0
+        keys = [self.reqs[j].prefix for j in self.waiting.first(self.prefetch_depth)
+                if self.reqs[j].prefix]
+        if not keys:
+            return 0.0
+        secs = self.cache.prefetch(keys)
+        for key in keys:
+            self.waiting.moved(key)
+        return secs
+
+    def made_first_token(self, i, r, t: float) -> bool:
+        """Request i made its first token (of this admission) in a prefill ending at t; whether
+        it is done (the caller then finishes it, and it never grows)."""
+        if r.first_token is None:
+            r.first_token = t
+        r.made += 1
+        return r.made >= r.gen
+
+    def run_on(self, i, r):
+        """Request i, admitted and not done, joins the batch with room for its next token's
+        slot: (its block, bytes a migration copied). Raises OutOfMemory (the caller preempts)."""
+        blk, moved = self.alloc.block(i), 0
+        if r.prompt + r.made + 1 > blk.capacity_tokens:
+            blk, moved = self.grow(i, r.prompt + r.made + 1)
+        self.running[i] = r
+        return blk, moved
+
+    def grow(self, i, total: int):
+        """Grow request i to `total` tokens: (its block, bytes a migration copied). Raises
+        OutOfMemory (the request stays in its old block)."""
+        alloc = self.alloc
+        old = alloc.block(i)
+        # the KV written so far (every token before this step's): what a migration copies
+        old.mark_written(min((total - 1) * self.bpt, old.nbytes))
+        before = alloc.migrated_bytes
+        blk = alloc.grow(i, total)
+        return blk, (0 if blk is old else alloc.migrated_bytes - before)
+
+    def preempt(self, i, r) -> None:
+        self.running.pop(i, None)
+        self.alloc.release(i, preempted=True)
+        r.epoch += 1
+        r.preemptions += 1
+        self.tot["preemptions"] += 1
+        L, _ = r.predicted
+        # mispredicted, as seen: it makes more than that, and nobody knows how much more
+        # (u = inf sends it to ODMA's large bucket, as the paper routes overflows)
+        r.predicted = (max(L, r.made + 1.0), math.inf)
+        self.waiting.appendleft(i)
+
+    def finish(self, i, r, t: float) -> float:
+        """Complete request i at time t; seconds of its offers to the cache (a copy into the
+        device tier and the demotions that make room)."""
+        self.running.pop(i, None)
+        blk = self.alloc.block(i)
+        offered = 0.0
+        cache = self.cache
+        if cache is not None:
+            if r.prefix and self.tier_of(r) is None:    # a prefix it computed: keep it
+                offered += cache.offer(r.prefix, blk, r.prefix_tokens)
+                self.waiting.moved(r.prefix)
+            if r.offer:                                 # its whole context, for a next turn
+                offered += cache.offer(r.offer, blk, r.prompt + r.gen)
+                self.waiting.moved(r.offer)
+            self.tot["prefix_offer"] += offered
+        # the last token made is output, never read back: its KV slot need not exist, so a
+        # request done in its prefill records what its block holds
+        self.alloc.release(i, min(r.prompt + r.gen, blk.capacity_tokens) - blk.prompt_tokens)
+        self.predictor.observe(_request(i, r), r.gen)
+        r.made = r.gen
+        r.finish = t
+        self.done += 1
+        return offered
+
+
+DISTANCE = {"device": 0, "host": 1, "disk": 2, None: 3}   # a tier's distance from the device
+
+
+def _request(i, r) -> Request:
+    return Request(i, r.prompt, r.gen)

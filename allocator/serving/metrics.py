@@ -1,0 +1,120 @@
+"""The metrics of a serving run: the JSON object `odma-hw simulate` prints per (policy, rate),
+from each replica's totals (seconds by component, counts), its time series and its requests."""
+
+from __future__ import annotations
+
+import collections
+import math
+
+import numpy as np
+
+
+def _percentiles(values) -> dict:
+    if not len(values):
+        return {"mean": None, "p50": None, "p90": None, "p99": None}
+    v = np.asarray(values, dtype=np.float64)
+    p50, p90, p99 = np.percentile(v, [50, 90, 99])
+    return {"mean": float(v.mean()), "p50": float(p50), "p90": float(p90), "p99": float(p99)}
+
+
+def summarise(trace, policy, setup, results, reqs, replicas, dropped, truncated, wall) -> dict:
+    tot = collections.Counter()
+    for r in results:
+        for k, v in r["totals"].items():
+            if k.endswith("_min"):
+                tot[k] = min(tot.get(k, math.inf), v)
+            elif k == "peak_batch":
+                tot[k] = max(tot[k], v)
+            else:
+                tot[k] += v
+    t0 = min(r["t_first"] for r in results)
+    t1 = max(r["t_end"] for r in results)
+    span = max(t1 - t0, 1e-12)
+    made = sum(q.gen for q in reqs)
+    ttft = [q.first_token - q.arrival for q in reqs]
+    e2e = [q.finish - q.arrival for q in reqs]
+    tpot = [(q.finish - q.first_token) / (q.gen - 1) for q in reqs if q.gen > 1]
+    decode = tot["decode"] or 1e-30
+    busy = tot["decode"] + tot["prefill"] + tot["migration"]
+    used = sum(r["used_tokens"] for r in results)
+    reserved = sum(r["reserved_tokens"] for r in results)
+    alloc_stats = [r["allocator"] for r in results]
+    weight_bytes = tot["steps"] * setup.weight_bytes
+    out = {
+        "schema": "odma-hw.simulate/1",
+        "policy": policy,
+        "layout": results[0]["layout"],
+        "trace": trace.name,
+        "requests": len(reqs),
+        "completed": sum(q.finish is not None for q in reqs),
+        "lost": sum(q.finish is None for q in reqs),
+        "dropped_over_length": dropped,
+        "truncated_over_length": truncated,
+        "duration_s": span,
+        "output_tokens": made,
+        "output_tps": made / span,
+        "requests_per_s": len(reqs) / span,
+        "ttft_s": _percentiles(ttft),
+        "tpot_s": _percentiles(tpot),
+        "e2e_s": _percentiles(e2e),
+        "utilization": used / reserved if reserved else None,
+        "mean_batch": tot["batch_seconds"] / decode,
+        "peak_batch": int(tot["peak_batch"]),
+        "preemptions": int(tot["preemptions"]),
+        "migrations": sum(a.get("migrations", 0) for a in alloc_stats),
+        "migrated_bytes": sum(a.get("migrated_bytes", 0) for a in alloc_stats),
+        "migration_s": tot["migration"],
+        "steps": int(tot["steps"]),
+        "mean_step_s": decode / tot["steps"] if tot["steps"] else None,
+        "step_time_share": {k: tot[k] / decode for k in ("kv", "weights", "overheads",
+                                                         "allreduce", "compute")},
+        "compute_bound_step_share": tot["compute_bound_steps"] / tot["steps"]
+        if tot["steps"] else None,
+        "busy_time_share": {k: tot[k] / busy if busy else None
+                            for k in ("decode", "prefill", "migration")},
+        "kv_read_bytes_share": (tot["kv_bytes"] / (tot["kv_bytes"] + weight_bytes)
+                                if tot["steps"] else None),
+        "time_avg_occupancy": tot["occupancy_seconds"] / busy if busy else None,
+        "floor_margin_min": tot.get("floor_margin_min"),
+        "compute_floor_margin_min": tot.get("compute_floor_margin_min"),
+        "prefill_floor_margin_min": tot.get("prefill_floor_margin_min"),
+        "kv_pool_gb_per_card": results[0]["pool_bytes"] / 1e9,
+        "kv_pool_tokens": results[0]["pool_bytes"] // setup.kv_bytes_per_token,
+        "wall_seconds": wall,
+        "settings": {
+            "model": setup.model.name, "dtype": setup.dtype, "device": setup.device.name,
+            "tp": setup.tp, "replicas": replicas, "max_model_len": setup.max_model_len,
+            "max_batch": setup.max_batch, "mfu": setup.mfu, "page_tokens": setup.page_tokens,
+            "predictor": "oracle" if policy == "oracle" else setup.predictor,
+            "prefill": "whole prompts, prefill-first (vLLM v0)",
+            "dispatch": "round robin" if replicas > 1 else None,
+            "kv_bytes_per_token_per_card": setup.kv_bytes_per_token,
+            "weight_bytes_per_card": setup.weight_bytes, "seed": setup.seed,
+        },
+        "timing": setup.timing.describe(),
+        "prefix_cache": _prefix_summary(tot, results, reqs),
+        "series": [{"t": t, "running": nr, "waiting": nw, "occupancy": o}
+                   for t, nr, nw, o in results[0]["series"]],
+    }
+    return out
+
+
+def _prefix_summary(tot, results, reqs) -> dict | None:
+    """What the prefix cache did: lookups by where the prefix was, tokens and prefill seconds
+    saved, restore and offer seconds, and the caches' own statistics."""
+    caches = [r["prefix_cache"] for r in results if "prefix_cache" in r]
+    if not caches:
+        return None
+    found = {t: int(tot[f"prefix_{t}"]) for t in ("device", "host", "disk", "miss")}
+    lookups = sum(found.values())
+    return {
+        "lookups": lookups,
+        "found": found,
+        "hit_rate": {t: (v / lookups if lookups else None) for t, v in found.items()},
+        "covered_tokens": int(tot["prefix_covered_tokens"]),
+        "prompt_tokens": int(sum(q.prompt for q in reqs)),
+        "prefill_saved_s": tot["prefill_saved"],
+        "restore_s": tot["prefix_restore"],
+        "offer_s": tot["prefix_offer"],
+        "caches": caches,
+    }

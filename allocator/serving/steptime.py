@@ -1,0 +1,199 @@
+"""What the steps of one card of a replica cost: the timing executor of the serving simulation.
+
+    decode = max(memory, compute) + layers x layer overhead + batch x request overhead
+             + all-reduce (TP > 1), where
+      memory = weights / (seq GB/s) + sum over running requests of their KV runs / (run GB/s),
+      compute = the batch's FLOPs (weights and attention over each context) / (peak x MFU)
+    prefill = max(FLOPs / (peak x MFU), bytes / seq GB/s) + layers x layer overhead + all-reduce
+    migration = 2 x bytes copied / copy GB/s (the copy counts read + write)
+KV runs by layout, per card with h KV heads, head_dim x 2 B = g bytes per token per run:
+    contiguous: 2 x layers x h runs of ctx x g bytes;
+    paged "v06" and "hnd" (vLLM 0.6 / vllm-mlu): one run of page_tokens x g per page, layer,
+      K or V and head; with one KV head per card, consecutive pages of a request merge;
+    paged "nhd" (vLLM v1): one run of page_tokens x h x g per page, layer, K or V; consecutive
+      pages merge.
+
+While the batch does not change, each request's KV time grows linearly with its context, so a
+step's time is linear in the step index and any number of steps sums in closed form
+(decode_span); a request's line is re-read from the timing source when its block changes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+
+class StepTimer:
+    """Step costs of one card for a ServingSetup and a KV layout; it also keeps the running
+    requests' KV lines summed (add) and the margins over the physical floors."""
+
+    def __init__(self, setup, layout: str):
+        self.s = setup
+        self.layout = layout
+        self.bpt = setup.kv_bytes_per_token
+        t = setup.timing
+        self.seq_gbps = float(t.seq_gbps)
+        self.copy_gbps = float(t.copy_gbps)
+        self.peak_bw = t.peak_gbps * 1e9
+        self.runs_per_unit, self.run_unit_bytes, self.merge = setup.run_layout(layout)
+        m, d = setup.model, setup.device
+        # per step, independent of the batch: weights and per-layer overheads
+        self.w_seconds = setup.weight_bytes / (self.seq_gbps * 1e9)
+        self.layer_seconds = m.layers * d.layer_overhead_us * 1e-6
+        # all-reduce: 2 per layer of batch x hidden x 2 B, ring over TP cards
+        tp = setup.tp
+        if tp > 1:
+            ring = 2 * (tp - 1) / tp
+            self.ar_const = 2 * m.layers * 2 * (tp - 1) * d.link_latency_us * 1e-6
+            self.ar_per_token = 2 * m.layers * ring * m.hidden * 2 / (d.link_gbps * 1e9)
+        else:
+            self.ar_const = self.ar_per_token = 0.0
+        self.req_seconds = d.request_overhead_us * 1e-6
+        self.card_flops = d.peak_tflops(setup.dtype) * 1e12
+        # decode FLOPs per step on one card: per request, and per token of context (attention)
+        self.flops_per_request = 2.0 * m.streamed_params / tp
+        self.flops_per_ctx = 4.0 * m.layers * m.heads * m.head_dim / tp
+        self.flops_rate = self.card_flops * setup.mfu
+        self.per_token = self.runs_per_unit * self.run_unit_bytes   # KV bytes per context token
+        self.sums = [0.0, 0.0, 0.0, 0.0]   # over running requests: a, slope, ab, sb
+        self.floor_margin = math.inf       # min over steps of step seconds / (bytes / peak)
+        self.compute_margin = math.inf     # min over steps of step seconds / (FLOPs / peak)
+        self.prefill_margin = math.inf
+
+    # -- a request's KV time, linear in the step index ----------------------------------------
+    def linearize(self, r, step: int, ctx: int, blk) -> None:
+        """Set r.a/r.slope (seconds) and r.ab/r.sb (bytes) so that at decode step s its KV read
+        takes a + s x slope, with ctx tokens at `step`."""
+        unit = self.run_unit_bytes
+        n = self.runs_per_unit
+        per_token = n * unit
+        gbps = self.s.timing.run_gbps
+        if self.layout == "contiguous":
+            run = ctx * unit
+            bw = float(gbps(run)) * 1e9
+            secs = n * run / bw
+            slope = per_token / bw
+        else:
+            pt = self.s.page_tokens
+            if self.merge:
+                runs = blk.runs()
+                pages = np.array([k for _, k in runs], dtype=np.float64)
+                full = pages * pt
+                full[-1] -= len(blk.pages) * pt - ctx      # the last page is partly filled
+                run_bytes = np.maximum(full, 1) * unit
+                bws = gbps(run_bytes) * 1e9
+                secs = float(n * (run_bytes / bws).sum())
+                slope = per_token / float(bws[-1])
+            else:
+                bw = float(gbps(pt * unit)) * 1e9
+                secs = n * ctx * unit / bw
+                slope = per_token / bw
+        r.slope = slope
+        r.a = secs - step * slope
+        r.sb = per_token
+        r.ab = ctx * per_token - step * per_token
+
+    def add(self, r, sign: int) -> None:
+        """Count a running request's line in the batch's sums (sign +1), or take it out (-1)."""
+        sums = self.sums
+        sums[0] += sign * r.a
+        sums[1] += sign * r.slope
+        sums[2] += sign * r.ab
+        sums[3] += sign * r.sb
+
+    def start(self, r, step: int, blk) -> None:
+        """A request joins the batch at `step`, holding the slot of its next token."""
+        r.start_step = step
+        r.cap = blk.capacity_tokens
+        self.linearize(r, step, r.prompt + r.made + 1, blk)
+        self.add(r, +1)
+
+    def relinearize(self, r, blk) -> None:
+        """Re-read a running request's line (its block changed, or it ran RELINEARIZE steps)."""
+        self.add(r, -1)
+        r.cap = blk.capacity_tokens
+        self.linearize(r, r.start_step, r.prompt + r.made + 1, blk)
+        self.add(r, +1)
+
+    # -- prefill and migration -----------------------------------------------------------------
+    def prefill(self, parts) -> tuple[float, float, float]:
+        """(seconds, FLOPs, bytes) of one prefill iteration over (tokens held, tokens covered by
+        the cache) pairs."""
+        s = self.s
+        flops = sum(s.model.prefill_flops(h - c, cached=c) for h, c in parts) / s.tp
+        computed = sum(h - c for h, c in parts)
+        nbytes = s.weight_bytes + sum(h for h, _ in parts) * self.bpt
+        secs = (max(flops / (self.card_flops * s.mfu), nbytes / (self.seq_gbps * 1e9))
+                + self.layer_seconds + self.ar_const + computed * self.ar_per_token)
+        return secs, flops, nbytes
+
+    def note_prefill(self, secs: float, flops: float, nbytes: float) -> None:
+        self.prefill_margin = min(self.prefill_margin,
+                                  secs / max(flops / self.card_flops, nbytes / self.peak_bw))
+
+    def migration_seconds(self, nbytes: int) -> float:
+        return 2.0 * nbytes / (self.copy_gbps * 1e9) if nbytes else 0.0
+
+    # -- decode ----------------------------------------------------------------------------------
+    def decode_span(self, nb: int, step: int, k: int, dt: float | None, tot) -> tuple[int, float]:
+        """Run decode steps from `step` with nb requests: at most k (the next event), and no
+        more than reach dt seconds when dt is given (a request arrives then). Returns (steps,
+        seconds) and adds the components to tot."""
+        s = self.s
+        a, sl, ab, sb = self.sums
+        # a step is max(memory, compute) + overheads; memory and compute are each linear in the
+        # step index: m0 + m1 s (weights and KV reads), f0 + f1 s (FLOPs of the batch)
+        over = self.layer_seconds + nb * (self.req_seconds + self.ar_per_token) + self.ar_const
+        m0, m1 = self.w_seconds + a, sl
+        f0 = (nb * self.flops_per_request + self.flops_per_ctx * ab / self.per_token) \
+            / self.flops_rate
+        f1 = self.flops_per_ctx * sb / self.per_token / self.flops_rate
+        compute_bound = f0 + f1 * step > m0 + m1 * step
+        if m1 != f1:                               # memory and compute trade places there
+            cross = (f0 - m0) / (m1 - f1)
+            if cross > step:
+                k = min(k, max(1, math.ceil(cross - step)))
+        c0, c1 = (f0, f1) if compute_bound else (m0, m1)
+        if dt is not None:
+            k = min(k, self.steps_until(dt, c0 + over, c1, step))
+        k = max(1, k)
+        tri = k * step + k * (k - 1) / 2          # sum of the step indices
+        secs = k * (c0 + over) + c1 * tri
+        for at in (step, step + k - 1):           # both ends: time, bytes, FLOPs are linear
+            t_step = max(m0 + m1 * at, f0 + f1 * at) + over
+            self.floor_margin = min(self.floor_margin,
+                                    t_step * self.peak_bw / (s.weight_bytes + ab + sb * at))
+            self.compute_margin = min(self.compute_margin, t_step / ((f0 + f1 * at) * s.mfu))
+        tot["decode"] += secs
+        tot["kv"] += k * a + sl * tri
+        tot["weights"] += k * self.w_seconds
+        tot["overheads"] += k * (self.layer_seconds + nb * self.req_seconds)
+        tot["allreduce"] += k * (self.ar_const + nb * self.ar_per_token)
+        if compute_bound:
+            tot["compute"] += k * (f0 - m0) + (f1 - m1) * tri   # beyond the memory time
+            tot["compute_bound_steps"] += k
+        tot["steps"] += k
+        tot["kv_bytes"] += k * ab + sb * tri
+        tot["batch_seconds"] += nb * secs
+        return k, secs
+
+    @staticmethod
+    def steps_until(dt: float, c0: float, slope: float, step: int) -> int:
+        """Smallest K >= 1 such that steps step .. step + K - 1, the k-th taking
+        c0 + slope x k seconds, last at least dt seconds in all."""
+        if dt <= 0:
+            return 1
+        b = c0 + slope * (step - 0.5)
+        if slope <= 1e-18 * max(b, 1e-30):
+            k = math.ceil(dt / b)
+        else:
+            a = slope / 2
+            k = math.ceil((-b + math.sqrt(b * b + 4 * a * dt)) / (2 * a))
+        k = max(1, k)
+        while k > 1 and (k - 1) * c0 + slope * ((k - 1) * step + (k - 1) * (k - 2) / 2) >= dt:
+            k -= 1
+        while k * c0 + slope * (k * step + k * (k - 1) / 2) < dt:
+            k += 1
+        return k
