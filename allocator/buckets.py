@@ -39,8 +39,22 @@ def align_up(x, alignment: int):
     return -(-x // alignment) * alignment
 
 
+# Bounds are learned from a window of completions (10,000 by default), and the min-waste rule
+# picks them among 257 quantiles of it: more regular buckets than this cannot be told apart,
+# while each one costs a pass of every refresh (a hundred million took 104 s to set up).
+MAX_BUCKETS = 256
+
+
+def _check_buckets(n_buckets) -> None:
+    if not isinstance(n_buckets, int) or isinstance(n_buckets, bool) or \
+            not 1 <= n_buckets <= MAX_BUCKETS:
+        raise BadArgument(f"n_buckets must be an integer from 1 to {MAX_BUCKETS}, got "
+                          f"{n_buckets!r}")
+
+
 def equal_width_bounds(max_tokens: int, n_buckets: int, alignment: int) -> tuple[int, ...]:
     """S3-style static bounds: n_buckets equal-width buckets over (0, max_tokens]."""
+    _check_buckets(n_buckets)
     out = []
     for i in range(1, n_buckets + 1):
         b = min(max_tokens, align_up(-(-max_tokens * i // n_buckets), alignment))
@@ -83,6 +97,7 @@ class QuantileBuckets:
                         ("refresh_every", refresh_every), ("alignment", alignment)):
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise BadArgument(f"{name} must be a positive integer, got {v!r}")
+        _check_buckets(n_buckets)
         self.max_tokens = max_tokens
         self.n_buckets = n_buckets
         self.window = window

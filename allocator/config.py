@@ -7,7 +7,7 @@ import dataclasses
 from odma_hw.errors import BadArgument
 
 from allocator.arguments import amount
-from allocator.buckets import RULES
+from allocator.buckets import MAX_BUCKETS, RULES
 
 BASES = ("generated", "footprint")
 COLD_STARTS = ("prediction", "equal-width")
@@ -43,18 +43,30 @@ class AllocatorConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise BadArgument(f"{name} must be a positive integer, got {v!r}")
+        if self.n_buckets > MAX_BUCKETS:
+            raise BadArgument(f"n_buckets (--buckets) must be at most {MAX_BUCKETS}, got "
+                              f"{self.n_buckets}")
         for name, value, allowed in (("bucket basis", self.bucket_basis, BASES),
                                      ("bucket rule", self.bucket_rule, RULES),
                                      ("cold start", self.cold_start, COLD_STARTS)):
             if value not in allowed:
                 raise BadArgument(f"unknown {name} {value!r}: expected one of {', '.join(allowed)}")
         a = self.byte_alignment
-        if a is not None and (not isinstance(a, int) or a <= 0 or a & (a - 1)):
+        if a is not None and (not isinstance(a, int) or isinstance(a, bool) or a <= 0
+                              or a & (a - 1)):
             raise BadArgument(f"byte_alignment must be a power of two, got {a!r}")
+        b = self.initial_bounds
+        if b is not None:
+            if not isinstance(b, (tuple, list)) or not 1 <= len(b) <= MAX_BUCKETS:
+                raise BadArgument(f"initial_bounds must be a tuple of 1 to {MAX_BUCKETS} token "
+                                  f"counts, got {b!r:.80}")
+            for v in b:
+                if amount("initial_bounds", v) == 0:
+                    raise BadArgument(f"initial_bounds must be > 0, got {v!r}")
         c = self.copy_chunk_bytes
         if c is not None and (not isinstance(c, int) or isinstance(c, bool) or c <= 0):
             raise BadArgument(f"copy_chunk_bytes must be a positive integer, got {c!r}")
-        if not 0 <= self.large_share < 1:
+        if not 0 <= amount("large_share", self.large_share) < 1:
             raise BadArgument(f"large_share must be in [0, 1), got {self.large_share!r}")
 
 

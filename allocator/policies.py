@@ -97,7 +97,8 @@ class OdmaPolicy(Policy):
         b = self.buckets
         if u > self.config.tau:
             return Placement(LARGE, b.large_capacity(prompt, prompt + 1), True)
-        inflated = max(1.0, predicted * (1.0 + self.config.alpha * u))
+        # at most max_tokens: a huge alpha or uncertainty must not overflow what follows
+        inflated = min(max(1.0, predicted * (1.0 + self.config.alpha * u)), float(self.max_tokens))
         offset = 0 if self._by_generated else prompt   # bound = generated or footprint tokens
         key = offset + inflated
         bounds = b.bounds

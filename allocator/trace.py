@@ -4,28 +4,44 @@ A trace is one row per request: num_prefill_tokens (prompt), num_decode_tokens (
 optionally arrived_at (seconds). For prefix caching a row may also name the prefix its prompt
 starts with: prefix_id (any text) and prefix_tokens (how many prompt tokens it covers), and
 offer_id: the key under which the request's whole context (prompt + generated) is offered to the
-cache when it completes (a chat turn offers the history the next turn starts with). Everything is checked when the file is read, so a bad trace is
-one clear line before any work starts: counts are whole numbers in [0, MAX_REQUEST_TOKENS],
-arrival times are finite and span at most MAX_SPAN_SECONDS (a span beyond that is a unit mistake,
-and would overflow the step counters).
+cache when it completes (a chat turn offers the history the next turn starts with).
+
+Everything is checked when the file is read, so a bad trace is one clear line before any work
+starts: counts are whole numbers in [0, MAX_REQUEST_TOKENS], arrival times are finite and span at
+most MAX_SPAN_SECONDS (a span beyond that is a unit mistake, and would overflow the step
+counters), each column appears once, and a file that is not a trace (binary, without line breaks,
+a device that never ends) is refused after a bounded read: lines are at most MAX_LINE_CHARS long,
+a trace has at most MAX_TRACE_REQUESTS rows.
 """
 
 from __future__ import annotations
 
+import array
+import contextlib
 import csv
+import errno
 import math
 import os
+import secrets
+import stat
 
 import numpy as np
 
-from odma_hw.errors import BadArgument
+from odma_hw.errors import BadArgument, OutputError
 
 # No model serves a request longer than this; a larger count is a corrupt trace.
 MAX_REQUEST_TOKENS = 10_000_000
 # Thirty days of simulated time: the public traces span an hour; beyond this is a unit mistake.
 MAX_SPAN_SECONDS = 30 * 24 * 3600.0
+# Ten million rows load into about a gigabyte and hold a simulation for hours; a longer file is a
+# mistake or not a trace at all (a stream that never ends), refused before memory runs out.
+MAX_TRACE_REQUESTS = 10_000_000
+# A trace row is a few numbers and two prefix names; a longer line is a file that is not a trace
+# (binary, or no line breaks at all), refused before it is read into memory whole.
+MAX_LINE_CHARS = 64 * 1024
 PROMPT, GENERATED, ARRIVAL = "num_prefill_tokens", "num_decode_tokens", "arrived_at"
 PREFIX_ID, PREFIX_TOKENS, OFFER_ID = "prefix_id", "prefix_tokens", "offer_id"
+COLUMNS = (PROMPT, GENERATED, ARRIVAL, PREFIX_ID, PREFIX_TOKENS, OFFER_ID)
 
 
 class RequestTrace:
@@ -129,6 +145,53 @@ def _time_cell(text: str, path: str, line: int) -> float:
     return v
 
 
+def _lines(f, path: str):
+    """The lines of text file `f`, each read with a bounded readline, so that a file without
+    line breaks costs MAX_LINE_CHARS of memory before it is refused, not its whole size."""
+    number = 0
+    while True:
+        line = f.readline(MAX_LINE_CHARS + 1)
+        if not line:
+            return
+        number += 1
+        if len(line) > MAX_LINE_CHARS and not line.endswith(("\n", "\r")):
+            # a short line with a NUL byte goes on to the column and number checks, which name
+            # the cell it spoils; a long one is most likely a binary file: say so
+            nul = " and holds NUL bytes" if "\0" in line else ""
+            raise BadArgument(f"trace {path} line {number} runs past {MAX_LINE_CHARS} "
+                              f"characters without a line break{nul}: not a CSV trace")
+        yield line
+
+
+def _check_readable(path: str, f) -> None:
+    """Refuse a device other than a terminal: /dev/zero or /dev/urandom never end, and reading
+    them as a trace only ends when memory does. Pipes and terminals end when their writer
+    stops, so they stay welcome (`--trace /dev/stdin`)."""
+    mode = os.fstat(f.fileno()).st_mode
+    if (stat.S_ISCHR(mode) or stat.S_ISBLK(mode)) and not f.isatty():
+        raise BadArgument(f"trace {path} is a device, not a CSV file")
+
+
+def _header(cols: list[str], path: str) -> dict[str, int]:
+    """Column name -> index of the columns load_trace reads; BadArgument for a missing one, or
+    for one that appears twice (csv.DictReader would silently keep the last)."""
+    for name in COLUMNS:
+        if cols.count(name) > 1:
+            raise BadArgument(f"trace {path} has column {name!r} {cols.count(name)} times: "
+                              f"which one holds the values is ambiguous")
+    for need in (PROMPT, GENERATED):
+        if need not in cols:
+            shown = ", ".join(repr(c[:40]) for c in cols[:8]) or "none"
+            raise BadArgument(f"trace {path} lacks column {need!r} (has {shown})")
+    return {name: cols.index(name) for name in COLUMNS if name in cols}
+
+
+def _cell(row: list[str], at: dict[str, int], name: str) -> str:
+    """The text of column `name` in `row`; "" for a column the trace lacks or a short row."""
+    i = at.get(name)
+    return row[i] if i is not None and i < len(row) else ""
+
+
 def load_trace(path) -> RequestTrace:
     """Read a trace CSV with columns num_prefill_tokens, num_decode_tokens [, arrived_at]
     (UTF-8, a byte-order mark allowed). BadArgument names the file, line and column of the
@@ -138,26 +201,32 @@ def load_trace(path) -> RequestTrace:
         raise BadArgument(f"trace {path} is a directory, not a CSV file")
     try:
         with open(path, newline="", encoding="utf-8-sig") as f:
-            reader = csv.DictReader(f)
-            cols = reader.fieldnames or []
-            for need in (PROMPT, GENERATED):
-                if need not in cols:
-                    shown = ", ".join(repr(c) for c in cols[:8]) or "none"
-                    raise BadArgument(f"trace {path} lacks column {need!r} (has {shown})")
-            timed = ARRIVAL in cols
-            prefixed = PREFIX_ID in cols or OFFER_ID in cols
-            prompt, gen, arrival, pid, ptok, oid = [], [], [], [], [], []
+            _check_readable(path, f)
+            reader = csv.reader(_lines(f, path))
+            at = _header(next(reader, []), path)
+            timed = ARRIVAL in at
+            prefixed = PREFIX_ID in at or OFFER_ID in at
+            # typed arrays: 8 bytes a value, where a list of ints takes 36
+            prompt, gen, arrival = array.array("q"), array.array("q"), array.array("d")
+            pid, ptok, oid = [], array.array("q"), []
+            names: dict[str, str] = {}     # one string per prefix name, however many rows
             for row in reader:
+                if not row:                     # a blank line, as csv.DictReader skips them
+                    continue
                 line = reader.line_num
-                prompt.append(_count_cell(row[PROMPT] or "", path, line, PROMPT))
-                gen.append(_count_cell(row[GENERATED] or "", path, line, GENERATED))
+                if len(prompt) == MAX_TRACE_REQUESTS:
+                    raise BadArgument(f"trace {path} has more than {MAX_TRACE_REQUESTS} "
+                                      f"requests: serve a part of it")
+                prompt.append(_count_cell(_cell(row, at, PROMPT), path, line, PROMPT))
+                gen.append(_count_cell(_cell(row, at, GENERATED), path, line, GENERATED))
                 if timed:
-                    arrival.append(_time_cell(row[ARRIVAL] or "", path, line))
+                    arrival.append(_time_cell(_cell(row, at, ARRIVAL), path, line))
                 if prefixed:
-                    pid.append((row.get(PREFIX_ID) or "").strip())
-                    ptok.append(_count_cell(row.get(PREFIX_TOKENS) or "0", path, line,
+                    name = _cell(row, at, PREFIX_ID).strip()
+                    pid.append(names.setdefault(name, name))
+                    ptok.append(_count_cell(_cell(row, at, PREFIX_TOKENS) or "0", path, line,
                                             PREFIX_TOKENS))
-                    oid.append((row.get(OFFER_ID) or "").strip())
+                    oid.append(_cell(row, at, OFFER_ID).strip())
     except UnicodeDecodeError:
         raise BadArgument(f"trace {path} is not a UTF-8 text CSV file") from None
     except csv.Error as exc:
@@ -171,23 +240,108 @@ def load_trace(path) -> RequestTrace:
                         **extra)
 
 
-def write_trace(trace: RequestTrace, path) -> None:
-    """Write `trace` as a CSV load_trace() reads back."""
+# Failures of the storage itself rather than of the path the user named: exit 3, not 2.
+_STORAGE_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EFBIG}
+
+
+def _existing(path: str) -> os.stat_result | None:
+    """What `path` names (through links), or None where nothing is there yet."""
+    try:
+        return os.stat(path)
+    except OSError:
+        return None
+
+
+def check_output_path(path) -> None:
+    """BadArgument unless a trace can be written at `path`: its folder exists and it is not a
+    folder itself. Called before a trace is generated, so a typo costs no work."""
+    path = os.fspath(path)
+    st = _existing(path)
+    if st is not None and stat.S_ISDIR(st.st_mode):
+        raise BadArgument(f"cannot write trace {path}: it is a directory")
+    if st is None or stat.S_ISREG(st.st_mode):
+        folder = os.path.dirname(os.path.realpath(path))
+        if not os.path.isdir(folder):
+            raise BadArgument(f"cannot write trace {path}: folder {folder} does not exist")
+    # a read-only file stays read-only: the new file would replace it by a rename, which only
+    # asks the folder's permission
+    if st is not None and not os.access(path, os.W_OK):
+        raise BadArgument(f"cannot write trace {path}: permission denied")
+
+
+def _write_rows(trace: RequestTrace, f) -> None:
     cols = [PROMPT, GENERATED] + ([ARRIVAL] if trace.arrival is not None else []) + (
         [PREFIX_ID, PREFIX_TOKENS, OFFER_ID] if trace.prefix_id is not None else [])
+    w = csv.writer(f)
+    w.writerow(cols)
+    for i in range(len(trace)):
+        row = [int(trace.prompt[i]), int(trace.generated[i])]
+        if trace.arrival is not None:
+            row.append(repr(float(trace.arrival[i])))
+        if trace.prefix_id is not None:
+            row += [trace.prefix_id[i], int(trace.prefix_tokens[i]), trace.offer_id[i]]
+        w.writerow(row)
+
+
+def write_trace(trace: RequestTrace, path) -> None:
+    """Write `trace` as a CSV load_trace() reads back. The rows go to a new file next to `path`
+    that replaces it only once complete and on disk, so a write that fails (a full disk) leaves
+    `path` as it was, never a truncated trace that reads back as a shorter one. A path that
+    cannot be written is a BadArgument (exit 2); storage that fails while writing, an
+    OutputError (exit 3)."""
+    path = os.fspath(path)
+    check_output_path(path)
+    st = _existing(path)
+    if st is not None and not stat.S_ISREG(st.st_mode):
+        # a pipe or a device (/dev/stdout): nothing to replace, and replacing it would put a
+        # plain file where the device was
+        _write_direct(trace, path)
+        return
+    target = os.path.realpath(path)             # through a link: the link keeps its target
+    tmp = os.path.join(os.path.dirname(target),
+                       f".{os.path.basename(target)}.{secrets.token_hex(6)}.tmp")
     try:
-        with open(path, "w", newline="") as f:
-            w = csv.writer(f)
-            w.writerow(cols)
-            for i in range(len(trace)):
-                row = [int(trace.prompt[i]), int(trace.generated[i])]
-                if trace.arrival is not None:
-                    row.append(repr(float(trace.arrival[i])))
-                if trace.prefix_id is not None:
-                    row += [trace.prefix_id[i], int(trace.prefix_tokens[i]), trace.offer_id[i]]
-                w.writerow(row)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     except OSError as exc:
-        raise BadArgument(f"cannot write trace {path}: {exc.strerror or exc}") from None
+        raise _write_error(path, exc, started=False) from None
+    done = False
+    try:
+        with os.fdopen(fd, "w", newline="") as f:
+            if st is not None:
+                os.fchmod(f.fileno(), stat.S_IMODE(st.st_mode))
+            _write_rows(trace, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+        done = True
+    except OSError as exc:
+        raise _write_error(path, exc, started=True) from None
+    finally:
+        if not done:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+
+
+def _write_direct(trace: RequestTrace, path: str) -> None:
+    try:
+        f = open(path, "w", newline="")
+    except OSError as exc:
+        raise _write_error(path, exc, started=False) from None
+    try:
+        with f:
+            _write_rows(trace, f)
+    except OSError as exc:
+        raise _write_error(path, exc, started=True) from None
+
+
+def _write_error(path: str, exc: OSError, started: bool) -> Exception:
+    """An OSError of writing a trace as the house's error: a path that cannot be opened is bad
+    usage; storage that fails (or any failure once rows were being written) is an output
+    failure."""
+    message = f"cannot write trace {path}: {exc.strerror or exc}"
+    if started or exc.errno in _STORAGE_ERRORS:
+        return OutputError(message)
+    return BadArgument(message)
 
 
 def arrival_seconds(trace: RequestTrace, rate: float | None = None, time_scale: float = 1.0,

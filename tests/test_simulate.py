@@ -248,6 +248,9 @@ def small_trace(tmp_path):
     (["--tp", "8"], "28 query and 4 KV heads"),
     (["--kv-pool-gb", "1e9"], "does not fit on a mlu370-x4 card"),
     (["--plot", "/proc/x.png"], "cannot write there"),
+    (["--page-tokens", "1000000000"], "pool too small"),
+    (["--kv-pool-gb", "1e-9"], "pool"),
+    (["--large-share", "0.999999"], "regular region"),
 ])
 def test_bad_usage_exits_2_with_one_line_before_any_work(small_trace, capsys, tmp_path,
                                                          monkeypatch, args, message):

@@ -16,7 +16,7 @@ from allocator.config import AllocatorConfig
 from allocator.policies import POLICIES
 from allocator.replay import add_policy_arguments
 from allocator.serving.engine import (PAGED_LAYOUTS, SCHEDULES, PrefixSettings, ServingSetup,
-                                     fit_lengths, progress_printer, run_policy)
+                                     check_policy, fit_lengths, progress_printer, run_policy)
 from allocator.serving.presets import ACCELERATORS, MODEL_ALIASES, MODELS, accelerator, model_spec
 from allocator.serving.timing import EmuSettings, make_timing
 from allocator.trace import RequestTrace, arrival_seconds, load_trace
@@ -27,13 +27,18 @@ SCHEMA = "odma-hw.simulate/1"
 DEFAULT_POLICIES = "odma,static,paged"
 
 
-def _policies(text: str) -> list[str]:
+def parse_policies(text: str, extra: tuple = ()) -> list[str]:
+    """A comma-separated list of policies (and of the `extra` names a command adds)."""
+    known = [*POLICIES, *extra]
     names = [p.strip() for p in text.split(",") if p.strip()]
-    bad = [p for p in names if p not in POLICIES]
+    bad = [p for p in names if p not in known]
     if not names or bad:
         raise BadArgument(f"unknown policy {', '.join(bad) or repr(text)}: expected a comma-"
-                          f"separated list of {', '.join(POLICIES)}")
+                          f"separated list of {', '.join(known)}")
     return list(dict.fromkeys(names))
+
+
+_policies = parse_policies
 
 
 def simulate(trace, policies=("odma", "static", "paged"), rates=(None,), *,
@@ -71,7 +76,8 @@ def simulate(trace, policies=("odma", "static", "paged"), rates=(None,), *,
     # every check that can fail before the timing source runs the emulator
     arrivals = [arrival_seconds(trace, rate, time_scale, seed) for rate in rates]
     _, _, _, setup.max_model_len, _, _ = fit_lengths(trace, max_model_len, m, clip)
-    setup.pool_bytes()
+    for p in policies:
+        check_policy(setup, p, prefix)
     setup.timing = make_timing(source, dev.bandwidth_gbps, emu, check_only=check_only)
     if check_only:
         return []
@@ -122,6 +128,13 @@ def format_table(results: list[dict]) -> str:
         f"{r['kv_pool_gb_per_card']:.2f} GB/card ({r['kv_pool_tokens']} tokens); max model len "
         f"{st['max_model_len']}; timing {t['source']} (seq {t['seq_gbps']:.0f} GB/s, 16 KiB "
         f"runs {t['run_gbps']['16384']:.0f} GB/s)")
+    # --clip changes the workload: say by how much, or a table of 19,365 requests passes for
+    # the 19,366-request trace it was asked to serve
+    dropped, cut = r["dropped_over_length"], r["truncated_over_length"]
+    if dropped or cut:
+        lines.append(
+            f"--clip: {dropped} of {r['requests'] + dropped} requests dropped (prompt alone "
+            f">= max model len {st['max_model_len']}), {cut} generations cut at that length")
     lines.append("util = KV used / KV reserved over completed requests; KV share = share of "
                  "decode step time spent reading KV; TPOT = time per output token")
     for r in results:
@@ -162,8 +175,10 @@ def plot(results: list[dict], path: str) -> None:
         axes[2].plot(t, [x["occupancy"] for x in r["series"]], label=r["policy"])
     axes[1].set_title("running batch over time" + (f" ({rates[-1]:g} req/s)" if rates else ""))
     axes[1].set_xlabel("simulated seconds")
+    axes[1].set_ylabel("running requests")
     axes[2].set_title("KV pool reserved over time")
     axes[2].set_xlabel("simulated seconds")
+    axes[2].set_ylabel("share of KV pool reserved")
     axes[2].set_ylim(0, 1.05)
     for ax in axes[1:]:
         ax.grid(alpha=0.3)
@@ -176,7 +191,7 @@ def compute(args, results: list | None = None, failed: list | None = None,
             check_only: bool = False) -> dict:
     """The JSON object of `odma-hw simulate` for parsed arguments (with the time series);
     `results`, `failed` and `check_only` as simulate() takes them."""
-    policies = _policies(args.policy)
+    policies = parse_policies(args.policy)
     config = AllocatorConfig(alpha=args.alpha, tau=args.tau, n_buckets=args.buckets,
                              bucket_rule=args.bucket_rule, bucket_basis=args.bucket_basis,
                              large_share=args.large_share, cold_start=args.cold_start,

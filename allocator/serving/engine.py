@@ -35,6 +35,7 @@ LAYOUTS = ("contiguous", "v06", "hnd", "nhd")
 PAGED_LAYOUTS = LAYOUTS[1:]
 RELINEARIZE = 64                 # steps between re-reads of a contiguous request's efficiency
 SERIES_POINTS = 400
+MAX_TIER_BYTES = 2**63 - 1
 
 
 @dataclasses.dataclass
@@ -181,11 +182,34 @@ class PrefixSettings:
             v = getattr(self, name)
             if not (v >= 0 and math.isfinite(v)):
                 raise BadArgument(f"{name} must be a finite number >= 0, got {v}")
+        for name in ("device_gb", "host_gb", "disk_gb"):
+            if getattr(self, name) * 1e9 > MAX_TIER_BYTES:
+                raise BadArgument(f"{name} must be at most {MAX_TIER_BYTES / 1e9:.3g} GB (a "
+                                  f"64-bit byte offset), got {getattr(self, name):g}")
         if not (isinstance(self.prefetch, int) and self.prefetch >= 0):
             raise BadArgument(f"prefetch must be an integer >= 0, got {self.prefetch!r}")
 
 
 SCHEDULES = ("fcfs", "fpf", "relaxed-fpf")
+
+
+def kv_pool_bytes(setup: ServingSetup, prefix: PrefixSettings | None = None) -> int:
+    """The KV pool of one card: what setup gives, less the prefix cache's device tier."""
+    pool = setup.pool_bytes()
+    if prefix is not None:
+        device_bytes = int(prefix.device_gb * 1e9)
+        if device_bytes >= pool:
+            raise BadArgument(f"a device tier of {prefix.device_gb:g} GB leaves no KV pool "
+                              f"(the card has {pool / 1e9:.2f} GB for KV)")
+        pool -= device_bytes
+    return pool
+
+
+def check_policy(setup: ServingSetup, policy: str, prefix: PrefixSettings | None = None) -> None:
+    """Make (and close) the allocator a run of `policy` starts with: a pool too small for its
+    pages, buckets or one request is refused before any work."""
+    make_allocator(policy, None, kv_pool_bytes(setup, prefix), setup.kv_bytes_per_token,
+                   setup.max_model_len, setup.config, page_tokens=setup.page_tokens).close()
 
 
 class Simulation:
@@ -203,18 +227,14 @@ class Simulation:
         self.requests = requests
         self.progress = progress
         bpt = setup.kv_bytes_per_token
-        pool = setup.pool_bytes()
+        pool = kv_pool_bytes(setup, prefix)
         self.cache = None
         if prefix is not None:
             from allocator.prefix import PrefixCache, TierBandwidth
 
-            device_bytes = int(prefix.device_gb * 1e9)
-            if device_bytes >= pool:
-                raise BadArgument(f"a device tier of {prefix.device_gb} GB leaves no KV pool "
-                                  f"(the card has {pool / 1e9:.2f} GB for KV)")
-            pool -= device_bytes
             self.cache = PrefixCache(
-                None, bpt, device_bytes=device_bytes, host_bytes=int(prefix.host_gb * 1e9),
+                None, bpt, device_bytes=int(prefix.device_gb * 1e9),
+                host_bytes=int(prefix.host_gb * 1e9),
                 disk_bytes=int(prefix.disk_gb * 1e9), eviction=prefix.eviction,
                 seed=setup.seed, bandwidth=TierBandwidth(
                     device_copy_gbps=float(setup.timing.copy_gbps),
