@@ -13,10 +13,15 @@ $(STAMP): pyproject.toml setup.py constraints.txt $(wildcard native/*.c native/*
 	$(BIN)/python -m pip install -q -c constraints.txt -e '.[torch,plot,sweep,test]'
 	touch $(STAMP)
 
+# the venv is not on PATH, and the README's commands use the bare name `odma-hw`
+ON_PATH := @echo "odma-hw is $(BIN)/odma-hw: run '. $(BIN)/activate' to put it on PATH"
+
 setup: $(STAMP)
+	$(ON_PATH)
 
 probe: $(STAMP)
 	$(BIN)/odma-hw probe
+	$(ON_PATH)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest tests

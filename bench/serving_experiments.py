@@ -171,11 +171,12 @@ def prefix(args) -> None:
     ta = text_analysis(k, 128, seed=args.seed)
     per_prefix = float(np.mean([t for t in dict(zip(ta.prefix_id, ta.prefix_tokens)).values()]))
     gb = per_prefix * bpt / 1e9
-    tiers = dict(device_gb=8 * gb, host_gb=32 * gb, disk_gb=128 * gb)
+    # rounded before use: the flags the table prints must rerun its rows exactly
+    tiers = dict(device_gb=round(8 * gb, 2), host_gb=round(32 * gb, 2), disk_gb=round(128 * gb, 2))
     log(f"text-analysis: {k} requests, mean template {per_prefix:.0f} tokens = {gb:.3f} GB; "
-        f"tiers {tiers['device_gb']:.2f} / {tiers['host_gb']:.2f} / {tiers['disk_gb']:.2f} GB")
-    flags = (f"--cache-device-gb {tiers['device_gb']:.2f} --cache-host-gb "
-             f"{tiers['host_gb']:.2f} --cache-disk-gb {tiers['disk_gb']:.2f}")
+        f"tiers {tiers['device_gb']:g} / {tiers['host_gb']:g} / {tiers['disk_gb']:g} GB")
+    flags = (f"--cache-device-gb {tiers['device_gb']:g} --cache-host-gb "
+             f"{tiers['host_gb']:g} --cache-disk-gb {tiers['disk_gb']:g}")
 
     def run(trace, label, settings, rate=None):
         t0 = time.perf_counter()

@@ -4,7 +4,6 @@ for every policy, and bad input refused before any work."""
 from __future__ import annotations
 
 import json
-import math
 import os
 from pathlib import Path
 
@@ -13,8 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from allocator.serving import timing as timing_mod
-from allocator.serving.cli import simulate
+from allocator.serving.cli import format_table, plot, simulate
 from allocator.serving.engine import ServingSetup, run_policy
 from allocator.serving.presets import accelerator, model_spec
 from allocator.serving.timing import EmuSettings, EmuTiming, MeasuredTiming, probe_timing
@@ -550,3 +548,36 @@ def test_check_only_makes_every_check_before_the_work(small_trace, tmp_path, mon
     with pytest.raises(OdmaError, match=message):
         compute(parse(["simulate", "--trace", small_trace] + args), check_only=True)
     assert not (tmp_path / "fresh-cache").exists()
+
+
+# ------------------------------------------------------------------------ what the output says
+def trace_with_long_requests():
+    prompt = np.array([100, 200, 5000, 300, 3900])       # 5000: the prompt alone is too long
+    gen = np.array([50, 60, 10, 4000, 300])              # 300 + 4000, 3900 + 300: cut at 4096
+    return RequestTrace(prompt, gen, None, "long.csv")
+
+
+def test_table_says_how_many_requests_clip_dropped_and_cut(tmp_path, monkeypatch):
+    monkeypatch.setenv("ODMA_CACHE_DIR", str(tmp_path / "cache"))
+    results = simulate(trace_with_long_requests(), ["odma"], max_model_len=4096, clip=True)
+    assert "--clip: 1 of 5 requests dropped" in format_table(results)
+    assert "2 generations cut" in format_table(results)
+
+
+def test_table_without_clip_says_nothing_of_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("ODMA_CACHE_DIR", str(tmp_path / "cache"))
+    results = simulate(trace_with_long_requests(), ["odma"], max_model_len=8192)
+    assert "--clip" not in format_table(results)
+
+
+def test_every_plot_panel_labels_its_y_axis(tmp_path, monkeypatch):
+    from odma_hw import plotting
+
+    monkeypatch.setenv("ODMA_CACHE_DIR", str(tmp_path / "cache"))
+    results = simulate(trace_with_long_requests(), ["odma", "paged"], rates=(1.0, 2.0),
+                       max_model_len=8192)
+    saved = []
+    monkeypatch.setattr(plotting, "save", lambda fig, path: saved.append(fig))
+    plot(results, str(tmp_path / "p.png"))
+    labels = [ax.get_ylabel() for ax in saved[-1].axes]
+    assert labels == ["output tokens/s", "running requests", "share of KV pool reserved"]

@@ -85,7 +85,8 @@ def check_dir(path) -> str:
         raise BadArgument(f"disk_dir must be a str path, not bytes ({path!r}): decode it, e.g. "
                           "with os.fsdecode")
     if not os.path.exists(path):
-        raise BadArgument(f"disk_dir {path!r} does not exist")
+        raise BadArgument(f"disk_dir {path!r} does not exist: create it first (the cache "
+                          f"does not make folders)")
     if not os.path.isdir(path):
         raise BadArgument(f"disk_dir {path!r} is not a directory")
     try:       # os.access says yes to root on a read-only mode; only a real write tells
