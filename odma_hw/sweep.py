@@ -15,24 +15,34 @@ command's own option names (no leading dashes):
     granularity = [32, 64]
 
 The cells are the product of the axes (a zip group counts as one axis). Each cell is exactly a
-command line (`true` adds a flag, `false` leaves it out): the sweep parses every cell with the
-command's own parser, plus the value checks its compute() would make first, before any cell
-runs, so a typo fails in one line (exit 2) naming the cell and the key. Then each cell calls the
-command's compute() in a Ray task holding one CPU (in-process: no shell).
+command line (`true` adds a flag, `false` leaves it out): before any cell runs, the sweep checks
+every cell with the command's own parser, plus the value checks its compute() would make first
+(for simulate: a trace longer than --max-model-len, a timing source that is not there), so a
+typo fails in one line (exit 2) naming the first bad cell and the key. It parses each axis value
+once and runs each value check once per distinct combination of the values it reads, so a grid
+of a million cells is checked in well under a second, and makes each cell only when it is
+wanted. Then each cell calls the command's compute() in a Ray task holding one CPU (in-process:
+no shell).
 
 Ray is optional (pip install 'odma-hw[sweep]') and imported only here, when a sweep runs. By
 default `ray.init()` starts a single-machine cluster with one worker per core (--workers N);
 --address auto|HOST:PORT|ray://HOST:PORT joins a running cluster; an address where none
-answers fails in seconds with one line (exit 2), not after Ray's 20 to 35 s of retries. Cells run in the
-driver's folder where it exists, so relative paths mean what they mean on the command line;
-other machines of a cluster need the same files at the same paths.
+answers fails in seconds with one line (exit 2), not after Ray's 20 to 35 s of retries. Cells
+run in the driver's folder where it exists, so relative paths mean what they mean on the command
+line; other machines of a cluster need the same files at the same paths. Ctrl-C keeps every
+finished cell and exits 130; further Ctrl-C while Ray shuts down wait for it to finish.
 
 Results go to --out DIR (default: GRID's folder, `<grid name>-sweep/`):
-- results.jsonl: the log, one line per table row, written and flushed as each cell finishes, so
-  an interrupted or crashed sweep keeps every finished cell;
+- results.jsonl: the log, one line per table row, written as each cell finishes, so an
+  interrupted or crashed sweep keeps every finished cell. Each line also holds `cell_rows` (the
+  rows of its cell's attempt) and, last, `line_sha256` (the start of the sha256 of the line
+  before it): a cell counts only when every row of its attempt is there and whole, so one torn
+  by a crash or a full disk reruns on --resume (as do lines written before lines carried these);
 - results.csv (and results.parquet when pandas and pyarrow are installed): the table, rebuilt
-  from the log, in cell order, the latest attempt of each cell of the grid;
+  from the log, in cell order, the latest complete attempt of each cell of the grid;
 - sweep.json: the grid, the environment and how wall times were taken.
+A results folder that cannot be written (read-only, full, a folder where a file goes) fails in
+one line (exit 3), before any cell runs where that can be known; the cells logged are kept.
 
 A row holds `cell`, `row`, `hash`, `status` (ok / failed), `error`, `wall_seconds` (compute()
 alone), `warm_up_seconds`, `worker`, `command_line`, then the axes under their option names, then
@@ -56,6 +66,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import collections.abc
 import contextlib
 import csv
 import datetime
@@ -64,15 +75,19 @@ import hashlib
 import importlib
 import itertools
 import json
+import math
 import os
+import signal
 import socket
+import stat
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 
 from odma_hw import argtypes, plotting
-from odma_hw.errors import BadArgument, OdmaError
+from odma_hw.errors import BadArgument, DeviceUnavailable, OdmaError
 
 SCHEMA = "odma-hw.sweep/1"
 INSTALL_HINT = "pip install 'odma-hw[sweep]'"
@@ -292,44 +307,119 @@ def cell_argv(parser, options: dict) -> list[str]:
     return argv
 
 
-def _check_emulate(args) -> list:
+@dataclass(frozen=True)
+class ValueCheck:
+    """A check that a command's compute() makes before its work, reused from the command.
+    `reads` names every parsed argument (argparse dest) it looks at: the sweep runs it once per
+    distinct combination of their values, not once per cell, and hands it only those (an
+    undeclared read fails loudly rather than being checked against one cell's value only)."""
+
+    key: str                            # the option a refusal names
+    reads: tuple
+    run: collections.abc.Callable       # run(namespace of `reads`), raising BadArgument
+
+
+def _checks_emulate() -> list[ValueCheck]:
     from odma_hw.emu.cli import _int
     from odma_hw.emu.specs import device_spec
 
-    return [("spec", lambda: device_spec(args.spec, mode=args.mode, bl=args.bl,
-                                         channels=args.channels, interleave=args.interleave)),
-            ("granularity", lambda: _int(args.granularity, "--granularity")),
-            ("requests", lambda: _int(args.requests, "--requests")),
-            ("footprint", lambda: args.footprint is None or _int(args.footprint, "--footprint"))]
+    return [
+        ValueCheck("spec", ("spec", "mode", "bl", "channels", "interleave"),
+                   lambda a: device_spec(a.spec, mode=a.mode, bl=a.bl, channels=a.channels,
+                                         interleave=a.interleave)),
+        ValueCheck("granularity", ("granularity",),
+                   lambda a: _int(a.granularity, "--granularity")),
+        ValueCheck("requests", ("requests",), lambda a: _int(a.requests, "--requests")),
+        ValueCheck("footprint", ("footprint",),
+                   lambda a: a.footprint is None or _int(a.footprint, "--footprint"))]
 
 
-def _check_replay(args) -> list:
+def _checks_replay() -> list[ValueCheck]:
     from allocator.replay import pool_bytes
 
-    return [("pool-gib", lambda: pool_bytes(args.pool_gib))]
+    return [_readable_trace(),
+            ValueCheck("pool-gib", ("pool_gib",), lambda a: pool_bytes(a.pool_gib))]
 
 
-def _check_simulate(args) -> list:
-    from allocator.serving.cli import _policies
+@functools.lru_cache(maxsize=8)
+def _trace(path: str, mtime_ns: int, size: int):
+    from allocator.trace import load_trace
 
-    return [("policy", lambda: _policies(args.policy))]
+    return load_trace(path)
+
+
+def loaded_trace(path: str):
+    """A trace CSV read once per sweep (per path, modification time and size), however many
+    cells and checks name it."""
+    st = os.stat(path)
+    return _trace(os.path.realpath(path), st.st_mtime_ns, st.st_size)
+
+
+def _readable_trace() -> ValueCheck:
+    """A request trace that load_trace() reads (columns, numbers), as replay and simulate
+    read it first."""
+    return ValueCheck("trace", ("trace",), lambda a: loaded_trace(a.trace))
+
+
+def _fits(a) -> None:
+    """simulate's refusal of a request longer than --max-model-len (without --clip)."""
+    from allocator.serving.engine import fit_lengths
+    from allocator.serving.presets import model_spec
+
+    trace = loaded_trace(a.trace)
+    if a.requests is not None:
+        trace = trace.head(a.requests)
+    fit_lengths(trace, a.max_model_len, model_spec(a.model), a.clip)
+
+
+def _timing_source(a) -> None:
+    """What make_timing() refuses, short of running the emulator or measuring."""
+    from allocator.serving.presets import accelerator
+    from allocator.serving.timing import EmuSettings, make_timing
+
+    dev = accelerator(a.device)
+    emu = EmuSettings(preset=dev.emu_preset, channels=a.channels or dev.emu_channels,
+                      interleave=a.interleave)
+    make_timing(a.timing or f"emu:{dev.emu_preset}", dev.bandwidth_gbps, emu, check_only=True)
+
+
+def _checks_simulate() -> list[ValueCheck]:
+    from allocator.serving.cli import parse_policies
+
+    return [ValueCheck("policy", ("policy",), lambda a: parse_policies(a.policy)),
+            _readable_trace(),
+            ValueCheck("max-model-len", ("trace", "requests", "max_model_len", "model", "clip"),
+                       _fits),
+            ValueCheck("timing", ("timing", "device", "channels", "interleave"),
+                       _timing_source)]
+
+
+def _verdict(check: ValueCheck, args: dict) -> str | None:
+    """`KEY: reason` when the check refuses these values, else None."""
+    try:
+        check.run(argparse.Namespace(**args))
+    except (BadArgument, DeviceUnavailable) as exc:
+        return f"{check.key}: {exc}"
+    return None
+
+
+def _trace_exists(a) -> None:
+    if a.trace is not None and not os.path.isfile(a.trace):
+        raise BadArgument(f"no such file {a.trace!r}")
 
 
 # value checks that each command's compute() makes before its work, reused from the command;
-# what parsing alone lets through (a preset name, a policy list) is refused here, up front
-VALUE_CHECKS = {"emulate": _check_emulate, "replay": _check_replay, "simulate": _check_simulate}
+# what parsing alone lets through (a preset name, a policy list, a trace too long for
+# --max-model-len) is refused here, up front
+VALUE_CHECKS = {"emulate": _checks_emulate, "replay": _checks_replay,
+                "simulate": _checks_simulate}
 
 
-def check_values(command: str, args) -> None:
-    """BadArgument 'KEY: reason' for the first value compute() would refuse."""
-    trace = getattr(args, "trace", None)
-    if trace is not None and not os.path.isfile(trace):
-        raise BadArgument(f"trace: no such file {trace!r}")
-    for key, check in VALUE_CHECKS.get(command, lambda a: [])(args):
-        try:
-            check()
-        except BadArgument as exc:
-            raise BadArgument(f"{key}: {exc}") from None
+def value_checks(command: str, dests) -> list[ValueCheck]:
+    """The checks of `command`, in order; first that a named trace exists (every check that
+    reads the trace comes after)."""
+    checks = [ValueCheck("trace", ("trace",), _trace_exists)] if "trace" in dests else []
+    return checks + VALUE_CHECKS.get(command, lambda: [])()
 
 
 @functools.lru_cache(maxsize=None)
@@ -357,26 +447,45 @@ def _named_file(value):
     return None
 
 
+def _hashed(key: str) -> bool:
+    """Whether a parsed argument decides a cell's result (presentation options do not)."""
+    return key not in ("func", "command") and key not in RESERVED_OPTIONS
+
+
+def _normalised(value):
+    path = _named_file(value)
+    return {"sha256": file_digest(path)} if path else value
+
+
 def normalised_arguments(args) -> dict:
     """The parsed arguments that decide a cell's result: defaults filled in, values converted
     by the parser, presentation options left out, files replaced by their content digest."""
-    out = {}
-    for key, value in sorted(vars(args).items()):
-        if key in ("func", "command") or key in RESERVED_OPTIONS:
-            continue
-        path = _named_file(value)
-        out[key] = {"sha256": file_digest(path)} if path else value
-    return out
+    return {key: _normalised(value) for key, value in sorted(vars(args).items())
+            if _hashed(key)}
+
+
+def _fragment(key: str, value) -> str:
+    """One argument as content_hash's JSON writes it (`"key": value`), so that a cell's hash can
+    be put together from pieces made once per axis value."""
+    return json.dumps(key) + ": " + json.dumps(_normalised(value), sort_keys=True, default=str)
+
+
+def _hash_payload(command: str, fragments) -> str:
+    from odma_hw import __version__
+
+    return ('{"arguments": {' + ", ".join(fragments) + '}, "command": ' + json.dumps(command)
+            + ', "odma_hw": ' + json.dumps(__version__) + "}")
+
+
+def _short_sha256(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:20]
 
 
 def content_hash(command: str, args) -> str:
     """A cell's identity for --resume: command + normalised arguments + odma-hw version + the
     sha256 of each file it reads."""
-    from odma_hw import __version__
-
-    payload = json.dumps({"command": command, "arguments": normalised_arguments(args),
-                          "odma_hw": __version__}, sort_keys=True, default=str)
-    return hashlib.sha256(payload.encode()).hexdigest()[:20]
+    return _short_sha256(_hash_payload(
+        command, [_fragment(k, v) for k, v in sorted(vars(args).items()) if _hashed(k)]))
 
 
 @dataclass(frozen=True)
@@ -393,47 +502,233 @@ class Cell:
         return shlex.join(self.argv)
 
 
-@dataclass
-class Plan:
-    grid: Grid
-    module: str
-    cells: list = field(default_factory=list)
-
-
 def _describe(axes: dict) -> str:
     return " ".join(f"{k}={_text(v)}" for k, v in axes.items()) or "(no axes)"
 
 
-def plan(grid: Grid) -> Plan:
-    """Every cell's argv parsed and checked, and its hash: BadArgument naming the first bad cell
-    and key. Nothing runs."""
-    module = COMMANDS[grid.command]
-    parser = command_parser(module, grid.command)
-    known = {s[2:] for s in parser._option_string_actions if s.startswith("--")}
-    out = Plan(grid, module)
-    first_of = {}
-    for i, axes in enumerate(grid.cells()):
-        where = f"{grid.path}: cell {i} ({_describe(axes)})"
-        options = {**grid.fixed, **axes}
-        for name in options:
+class Cells(collections.abc.Sequence):
+    """The cells of a grid in order (the last dimension varying fastest), each made when asked
+    for from pieces made once per axis value: its argv, its parsed arguments, its hash.
+
+    That is exact because argparse sets each option's own argument from its own value alone: a
+    cell's parsed arguments are cell 0's with each dimension's arguments taken from the cell of
+    that dimension's value (the other dimensions at their first value). So the checks run per
+    axis value and per distinct combination of what a value check reads, never per cell, and
+    a grid of a million cells holds no memory per cell."""
+
+    def __init__(self, grid: Grid, parser: argparse.ArgumentParser):
+        self.grid, self.command = grid, grid.command
+        self.dims = grid.dimensions()
+        self.sizes = [len(grid.axes[g[0]]) for g in self.dims]
+        self.strides = [math.prod(self.sizes[d + 1:]) for d in range(len(self.dims))]
+        self._dim_of = {name: d for d, g in enumerate(self.dims) for name in g}
+        self._check_names(parser)
+        # (cell index, stage, order within the stage, message): the first cell's is raised, as
+        # if every cell were checked in turn
+        self._failures = []
+        self._argv_pieces(parser)
+        base = self._parse_values(parser)
+        self._run_value_checks(base)
+        self._hash_pieces(base)
+        self._raise_first()
+
+    # -- what a cell is made of
+    def __len__(self) -> int:
+        return math.prod(self.sizes)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[k] for k in range(*i.indices(len(self)))]
+        n = len(self)
+        if not -n <= i < n:
+            raise IndexError(f"cell {i} of a grid of {n}")
+        i %= n
+        return Cell(i, self.axes_at(i), tuple([self.command] + self.argv_at(i)), self.hash_at(i))
+
+    def positions(self, i: int) -> list[int]:
+        """The index of cell i's value on each dimension."""
+        return [(i // s) % n for s, n in zip(self.strides, self.sizes)]
+
+    def axes_at(self, i: int) -> dict:
+        pos = self.positions(i)
+        return {name: values[pos[self._dim_of[name]]] for name, values in self.grid.axes.items()}
+
+    def argv_at(self, i: int) -> list[str]:
+        pos = self.positions(i)
+        argv = list(self._fixed_argv)
+        for name, tokens in self._axis_argv.items():
+            argv += tokens[pos[self._dim_of[name]]]
+        return argv + ["--json"]
+
+    def hash_at(self, i: int) -> str:
+        """content_hash() of cell i's parsed arguments, from the JSON pieces of its values."""
+        pos = self.positions(i)
+        return _short_sha256("".join(p if isinstance(p, str) else p[1][pos[p[0]]]
+                                     for p in self._template))
+
+    def _where(self, i: int) -> str:
+        return f"{self.grid.path}: cell {i} ({_describe(self.axes_at(i))})"
+
+    def _first_at(self, d: int, j: int) -> int:
+        """The first cell whose dimension d has its j-th value."""
+        return j * self.strides[d]
+
+    # -- the checks, in the order a cell's would fail: option names, argv, parsing, values,
+    #    a cell that repeats another
+    def _check_names(self, parser) -> None:
+        known = {s[2:] for s in parser._option_string_actions if s.startswith("--")}
+        for name in {**self.grid.fixed, **self.grid.axes}:
             if name in RESERVED_OPTIONS:
-                raise BadArgument(f"{where}: {name}: a cell takes no --{name} "
+                raise BadArgument(f"{self._where(0)}: {name}: a cell takes no --{name} "
                                   f"({RESERVED_OPTIONS[name]})")
             if name not in known:
-                raise BadArgument(f"{where}: {name}: `odma-hw {grid.command}` has no option "
-                                  f"--{name}")
+                raise BadArgument(f"{self._where(0)}: {name}: `odma-hw {self.command}` has no "
+                                  f"option --{name}")
+        dest_of = {name: parser._option_string_actions["--" + name].dest
+                   for name in {**self.grid.fixed, **self.grid.axes}}
+        owner = {}
+        for name, dest in dest_of.items():
+            if dest in owner:  # two spellings of one argument: the cell would keep only one
+                raise BadArgument(f"grid {self.grid.path}: --{owner[dest]} and --{name} set the "
+                                  f"same argument; give one of them")
+            owner[dest] = name
+        self._dests = [[dest_of[name] for name in g] for g in self.dims]
+
+    def _argv_pieces(self, parser) -> None:
+        """Each fixed option's and each axis value's command-line words, made once."""
+        fixed = []
+        self._fail_at((0, 0, 0), lambda: fixed.extend(cell_argv(parser, self.grid.fixed)))
+        self._fixed_argv = fixed
+        self._axis_argv = {}
+        self._bad = set()         # (dimension, value index) whose words are refused
+        for order, (name, values) in enumerate(self.grid.axes.items(), 1):
+            d = self._dim_of[name]
+            pieces = []
+            for j, v in enumerate(values):
+                tokens = []
+                if self._fail_at((self._first_at(d, j), 0, order),
+                                 lambda: tokens.extend(cell_argv(parser, {name: v}))):
+                    self._bad.add((d, j))
+                pieces.append(tokens)
+            self._axis_argv[name] = pieces
+
+    def _fail_at(self, where: tuple, fn) -> bool:
+        """Run fn; a refusal becomes a failure at `where` (cell index, stage, order within the
+        stage). True when it failed."""
         try:
-            argv = cell_argv(parser, options) + ["--json"]
-            args = parser.parse_args(argv)
-            check_values(grid.command, args)
+            fn()
+        except (BadArgument, DeviceUnavailable) as exc:
+            self._failures.append((*where, str(exc)))
+            return True
+        return False
+
+    def _raise_first(self) -> None:
+        if self._failures:
+            i, _, _, message = min(self._failures)
+            raise BadArgument(f"{self._where(i)}: {message}")
+
+    def _fails_later(self, where: tuple) -> bool:
+        """Whether a failure at `where` would come after one already found (so need not be
+        looked for)."""
+        return bool(self._failures) and where >= min(self._failures)[:3]
+
+    def _parse(self, parser, i: int) -> dict | None:
+        """Cell i's parsed arguments, or None with its refusal recorded."""
+        try:
+            return vars(parser.parse_args(self.argv_at(i)))
         except BadArgument as exc:
-            raise BadArgument(f"{where}: {exc}") from None
-        h = content_hash(grid.command, args)
-        if h in first_of:  # e.g. 1 and "01", or a value equal to the default and a bare cell
-            raise BadArgument(f"{where}: the same arguments as cell {first_of[h]} once parsed")
-        first_of[h] = i
-        out.cells.append(Cell(i, axes, tuple([grid.command] + argv), h))
-    return out
+            self._failures.append((i, 1, 0, str(exc)))
+            return None
+
+    def _parse_values(self, parser) -> dict:
+        """Cell 0's parsed arguments; in self._values[d][j], the arguments that dimension d's
+        j-th value sets, from the first cell that has it (None where that cell is refused)."""
+        base = None if self._fails_later((0, 1, 0)) else self._parse(parser, 0)
+        if base is None:        # cell 0 is refused: no cell can be checked further
+            self._raise_first()
+        self._values = []
+        for d, dests in enumerate(self._dests):
+            column = []
+            for j in range(self.sizes[d]):
+                i = self._first_at(d, j)
+                parsed = (None if (d, j) in self._bad else base if i == 0
+                          else self._parse(parser, i))
+                column.append(None if parsed is None else tuple(parsed[k] for k in dests))
+            self._values.append(column)
+        return base
+
+    def _run_value_checks(self, base: dict) -> None:
+        """Each value check once per distinct combination of what it reads, found on the first
+        cell that has that combination."""
+        dim_of_dest = {dest: d for d, dests in enumerate(self._dests) for dest in dests}
+        for order, check in enumerate(value_checks(self.command, base)):
+            read_dims = sorted({dim_of_dest[r] for r in check.reads if r in dim_of_dest})
+            verdicts = {}
+            for combo in itertools.product(*(range(self.sizes[d]) for d in read_dims)):
+                index = sum(self._first_at(d, j) for d, j in zip(read_dims, combo))
+                if self._fails_later((index, 2, order)):
+                    continue
+                columns = [self._values[d][j] for d, j in zip(read_dims, combo)]
+                if None in columns:     # that cell does not parse: refused already
+                    continue
+                args = {r: base[r] for r in check.reads}
+                for d, values in zip(read_dims, columns):
+                    args.update((k, v) for k, v in zip(self._dests[d], values) if k in args)
+                key = repr(tuple(args.values()))
+                if key not in verdicts:
+                    verdicts[key] = _verdict(check, args)
+                if verdicts[key] is not None:
+                    self._failures.append((index, 2, order, verdicts[key]))
+
+    def _hash_pieces(self, base: dict) -> None:
+        """The pieces of every cell's hash payload: constant text between the arguments that
+        an axis sets, and for those, one JSON fragment per value. Two values of one dimension
+        with equal fragments would make two cells one (1 and "01"; a default and no value)."""
+        fragments = {}      # dest -> (dimension, [fragment per value])
+        for d, dests in enumerate(self._dests):
+            first_of = {}
+            columns = [[] for _ in dests]
+            for j, values in enumerate(self._values[d]):
+                refused = values is None    # already: the grid never runs, any text will do
+                texts = tuple(_fragment(dest, v) for dest, v in zip(
+                    dests, (base[dest] for dest in dests) if refused else values))
+                if not refused and texts in first_of:
+                    self._failures.append((self._first_at(d, j), 3, 0,
+                                           f"the same arguments as cell "
+                                           f"{self._first_at(d, first_of[texts])} once parsed"))
+                elif not refused:
+                    first_of[texts] = j
+                for column, text in zip(columns, texts):
+                    column.append(text)
+            fragments.update((dest, (d, column)) for dest, column in zip(dests, columns))
+        pieces = []
+        for key in sorted(k for k in base if _hashed(k)):
+            pieces.append(fragments.get(key) or _fragment(key, base[key]))
+        head, _, tail = _hash_payload(self.command, ["\0"]).partition("\0")
+        self._template = []
+        text = head
+        for n, piece in enumerate(pieces):
+            text += ", " if n else ""
+            if isinstance(piece, str):
+                text += piece
+            else:
+                self._template += [text, piece]
+                text = ""
+        self._template.append(text + tail)
+
+
+@dataclass
+class Plan:
+    grid: Grid
+    module: str
+    cells: collections.abc.Sequence = field(default_factory=list)
+
+
+def plan(grid: Grid) -> Plan:
+    """Every cell checked as the command would check it, and hashed, without making the cells
+    (see Cells): BadArgument naming the first bad cell and key. Nothing runs."""
+    module = COMMANDS[grid.command]
+    return Plan(grid, module, Cells(grid, command_parser(module, grid.command)))
 
 
 # ------------------------------------------------------------------------------ output rows
@@ -510,42 +805,125 @@ def run_cell(module: str, argv: list, cwd: str | None, numba_threads: int | None
 
 
 # ------------------------------------------------------------------------ results on disk
+class OutputError(OdmaError):
+    """The sweep's results cannot be written (a read-only or full folder, a folder where a file
+    goes); the cells already logged are kept. The command exits 3 with this one line."""
+
+
 def default_out(grid_path: str) -> str:
     stem = os.path.splitext(os.path.basename(grid_path))[0]
     return os.path.join(os.path.dirname(os.path.abspath(grid_path)), f"{stem}-sweep")
 
 
+def _reason(exc: OSError) -> str:
+    return exc.strerror or str(exc)
+
+
+# Each log line is one table row, framed so that a line cut short by a crash or a full disk is
+# told from a whole one: it carries the number of rows its cell's attempt wrote (a cell counts
+# only once all of them are there) and, as its last field, the start of the sha256 of the line
+# before that field. Lines are JSON objects still (`pandas.read_json(lines=True)` reads them).
+FRAME_ROWS = "cell_rows"
+FRAME_CHECK = "line_sha256"
+FRAME_KEYS = (FRAME_ROWS, FRAME_CHECK)
+_CHECK_HEAD = b', "' + FRAME_CHECK.encode() + b'": "'
+_CHECK_DIGITS = 16
+_CHECK_TAIL = len(_CHECK_HEAD) + _CHECK_DIGITS + len(b'"}')
+
+
+def _line_digest(body: bytes) -> bytes:
+    return hashlib.sha256(body).hexdigest()[:_CHECK_DIGITS].encode()
+
+
+def framed_lines(records: list[dict]) -> bytes:
+    """The log lines of one attempt of a cell (its records, in row order)."""
+    lines = []
+    for r in records:
+        body = json.dumps({**r, FRAME_ROWS: len(records)}, default=str).encode()
+        lines.append(body[:-1] + _CHECK_HEAD + _line_digest(body) + b'"}\n')
+    return b"".join(lines)
+
+
+def unframe(line: bytes) -> dict | None:
+    """The record of a whole log line (its newline may be missing), else None: a torn or
+    altered line, or one written before lines were framed."""
+    line = line[:-1] if line.endswith(b"\n") else line
+    tail = line[-_CHECK_TAIL:]
+    if len(line) <= _CHECK_TAIL or not (tail.startswith(_CHECK_HEAD) and tail.endswith(b'"}')):
+        return None
+    body = line[:-_CHECK_TAIL] + b"}"
+    if _line_digest(body) != tail[len(_CHECK_HEAD):-2]:
+        return None
+    try:
+        record = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(record, dict):
+        return None
+    rows, row = record.get(FRAME_ROWS), record.get("row")
+    if not (isinstance(record.get("hash"), str) and type(rows) is int and type(row) is int
+            and 0 <= row < rows):
+        return None
+    return record
+
+
+def _regular_file(path: str) -> bool:
+    """False where nothing is; OutputError where something that is no file is (a folder, a
+    device: reading it could block or never end)."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return False
+    except OSError as exc:
+        raise OutputError(f"cannot read {path}: {_reason(exc)}") from None
+    if not stat.S_ISREG(mode):
+        raise OutputError(f"cannot use {path}: it is a "
+                          f"{'folder' if stat.S_ISDIR(mode) else 'special file'}, not a file")
+    return True
+
+
 def read_log(path: str):
-    """(line offset, record) for each readable line of a results log; a torn last line (a
-    crash mid-write) is skipped."""
+    """(line offset, record or None) for each line of a results log: None for a line that is
+    not whole (see unframe)."""
+    if not _regular_file(path):
+        return
     try:
         f = open(path, "rb")
-    except FileNotFoundError:
-        return
+    except OSError as exc:
+        raise OutputError(f"cannot read {path}: {_reason(exc)}") from None
     with f:
         offset = 0
         for line in f:
-            try:
-                record = json.loads(line)
-            except ValueError:
-                record = None
-            if isinstance(record, dict) and "hash" in record:
-                yield offset, record
+            yield offset, unframe(line)
             offset += len(line)
 
 
+def log_holds_anything(path: str) -> bool:
+    return _regular_file(path) and os.path.getsize(path) > 0
+
+
 def latest_attempts(path: str) -> dict:
-    """hash -> (status, [line offsets]) of each cell's latest attempt in the log (the lines of
-    one attempt are written together)."""
+    """hash -> (status, [line offsets]) of each cell's latest complete attempt in the log: its
+    lines in row order, each whole, as many as it says. One attempt's lines are written
+    together, so its rows follow each other; a line that is not whole ends the attempt it is
+    in, which then does not count."""
     latest = {}
-    prev_hash = None
+    attempt = None      # [hash, rows, status, offsets] of the attempt being read
     for offset, r in read_log(path):
-        h = r["hash"]
-        if h == prev_hash and r.get("row", 0) > 0:
-            latest[h][1].append(offset)
+        if r is None:
+            attempt = None
+            continue
+        if r["row"] == 0:
+            attempt = [r["hash"], r[FRAME_ROWS], r.get("status"), [offset]]
+        elif attempt and (r["hash"], r[FRAME_ROWS], r["row"]) == (attempt[0], attempt[1],
+                                                                 len(attempt[3])):
+            attempt[3].append(offset)
         else:
-            latest[h] = (r.get("status"), [offset])
-        prev_hash = h
+            attempt = None
+            continue
+        if len(attempt[3]) == attempt[1]:
+            latest[attempt[0]] = (attempt[2], attempt[3])
+            attempt = None
     return latest
 
 
@@ -559,45 +937,77 @@ def cell_records(cell: Cell, result: dict) -> list[dict]:
     for i, row in enumerate(result["rows"] or [{}]):
         r = dict(base, row=i)
         for key, value in row.items():
-            r[f"out.{key}" if key in base else key] = value
+            r[f"out.{key}" if key in base or key in FRAME_KEYS else key] = value
         records.append(r)
     return records
 
 
 class ResultLog:
-    """The append-only results log: each cell's rows written and flushed as it finishes."""
+    """The append-only results log: each cell's rows framed (see unframe) and written in one go
+    as it finishes. An append always starts a line of its own, so a line torn by a crash or a
+    full disk spoils only itself."""
 
     def __init__(self, path: str):
         self.path = path
-        self.f = open(path, "a", encoding="utf-8")
+        self._at_line_start = None      # whether the file ends in a newline; None: look
+        try:
+            self.fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o666)
+        except OSError as exc:
+            raise OutputError(f"cannot write {path}: {_reason(exc)}") from None
+        if not stat.S_ISREG(os.fstat(self.fd).st_mode):
+            self.close()
+            raise OutputError(f"cannot use {path}: it is not a file")
+
+    def _ends_in_newline(self) -> bool:
+        size = os.fstat(self.fd).st_size
+        return size == 0 or os.pread(self.fd, 1, size - 1) == b"\n"
 
     def write(self, records: list[dict]) -> None:
-        # one write per cell: its rows land together or (on a crash) as one torn tail
-        self.f.write("".join(json.dumps(r, default=str) + "\n" for r in records))
-        self.f.flush()
+        data = framed_lines(records)
+        try:
+            if not (self._at_line_start or self._ends_in_newline()):
+                data = b"\n" + data
+            self._at_line_start = None
+            view = memoryview(data)
+            while view:
+                view = view[os.write(self.fd, view):]
+        except OSError as exc:
+            raise OutputError(f"cannot append to {self.path}: {_reason(exc)}") from None
+        self._at_line_start = True
 
     def close(self) -> None:
-        self.f.close()
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
 
 
 def table_rows(the_plan: Plan, log_path: str) -> list[dict]:
-    """The latest attempt of each cell of the plan, in cell order."""
-    index = {c.hash: c.index for c in the_plan.cells}
+    """The latest complete attempt of each cell of the plan, in cell order (without the log's
+    framing)."""
     latest = latest_attempts(log_path)
-    wanted = sorted((index[h], off) for h, (_, offs) in latest.items() if h in index
-                    for off in offs)
+    cells = the_plan.cells
+    wanted = []
+    for i in range(len(cells)) if latest else ():
+        attempt = latest.get(cells.hash_at(i) if isinstance(cells, Cells) else cells[i].hash)
+        if attempt:
+            wanted += [(i, off) for off in attempt[1]]
     rows = []
-    with open(log_path, "rb") as f:
+    with open(log_path, "rb") if wanted else contextlib.nullcontext() as f:
         for cell_index, off in wanted:
             f.seek(off)
-            r = json.loads(f.readline())
+            r = unframe(f.readline())
+            if r is None:  # changed since it was read: --resume reruns the cell
+                continue
+            for key in FRAME_KEYS:
+                r.pop(key, None)
             r["cell"] = cell_index  # the index in this grid (an older grid may have numbered it)
             rows.append(r)
     return rows
 
 
 def write_table(rows: list[dict], out_dir: str) -> list[str]:
-    """results.csv (and results.parquet when pandas + pyarrow are importable); the paths."""
+    """results.csv (and results.parquet when pandas + pyarrow are importable); the paths.
+    OutputError when they cannot be written."""
     columns = list(BOOKKEEPING)
     seen = set(columns)
     for r in rows:
@@ -607,12 +1017,21 @@ def write_table(rows: list[dict], out_dir: str) -> list[str]:
                 columns.append(k)
     path = os.path.join(out_dir, TABLE)
     tmp = path + ".tmp"
-    with open(tmp, "w", newline="", encoding="utf-8") as f:
-        w = csv.DictWriter(f, columns, restval="", extrasaction="ignore")
-        w.writeheader()
-        for r in rows:
-            w.writerow({k: ("" if v is None else v) for k, v in r.items()})
-    os.replace(tmp, path)
+    try:
+        try:
+            with open(tmp, "w", newline="", encoding="utf-8") as f:
+                w = csv.DictWriter(f, columns, restval="", extrasaction="ignore")
+                w.writeheader()
+                for r in rows:
+                    w.writerow({k: ("" if v is None else v) for k, v in r.items()})
+            os.replace(tmp, path)
+        except BaseException:
+            # a full disk or a Ctrl-C half way leaves no partial table behind
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+            raise
+    except OSError as exc:
+        raise OutputError(f"cannot write {path}: {_reason(exc)}") from None
     written = [path]
     try:
         import pandas
@@ -620,9 +1039,33 @@ def write_table(rows: list[dict], out_dir: str) -> list[str]:
     except ImportError:
         return written
     pq = os.path.join(out_dir, PARQUET)
-    pandas.DataFrame.from_records(rows, columns=columns).to_parquet(pq, index=False)
+    try:
+        pandas.DataFrame.from_records(rows, columns=columns).to_parquet(pq, index=False)
+    except OSError as exc:
+        raise OutputError(f"cannot write {pq}: {_reason(exc)}") from None
     written.append(pq)
     return written
+
+
+def prepare_out(out: str) -> None:
+    """Create --out and make sure that the files the sweep writes can be written there, before
+    any cell runs: OutputError for a folder that cannot be made or written, or a folder where
+    a file goes (the log is checked when it is opened)."""
+    try:
+        os.makedirs(out, exist_ok=True)
+    except OSError as exc:
+        raise OutputError(f"cannot create --out {out!r}: {_reason(exc)}") from None
+    for name in (TABLE, TABLE + ".tmp", PARQUET, META):
+        path = os.path.join(out, name)
+        if os.path.isdir(path):
+            raise OutputError(f"cannot write {path}: it is a folder")
+    probe = os.path.join(out, TABLE + ".tmp")   # made and replaced by write_table anyway
+    try:
+        with open(probe, "w"):
+            pass
+        os.remove(probe)
+    except OSError as exc:
+        raise OutputError(f"cannot write in --out {out}: {_reason(exc)}") from None
 
 
 # ------------------------------------------------------------------------------ progress
@@ -787,13 +1230,32 @@ class Outcome:
     ran: int = 0
     failed: int = 0
     interrupted: bool = False
+    output_error: OutputError | None = None     # the log could not be written: the sweep stopped
 
 
-def dispatch(ray, the_plan: Plan, todo: list, log: ResultLog, progress: Progress, *,
+@contextlib.contextmanager
+def ctrl_c_held():
+    """Hold Ctrl-C off while the block runs (shutting Ray down: cut short, Ray's own exit hook
+    would do it again and a further Ctrl-C there prints a traceback); yields a list that holds a
+    SIGINT for each Ctrl-C that came meanwhile. Only the main thread can hold signals; elsewhere
+    the block runs as it is."""
+    came = []
+    if threading.current_thread() is not threading.main_thread():
+        yield came
+        return
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: came.append(signum))
+    try:
+        yield came
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_DFL if previous is None else previous)
+
+
+def dispatch(ray, the_plan: Plan, todo, log: ResultLog, progress: Progress, *,
              window: int, retries: int = 1, cancel: bool = True) -> Outcome:
-    """Run `todo` cells as Ray tasks, at most `window` in flight (so the driver holds a
-    bounded number of references however large the grid); each cell's rows are logged as it
-    finishes. Ctrl-C returns, marked interrupted, after cancelling the tasks in flight when
+    """Run the `todo` cells (any iterable, taken as needed) as Ray tasks, at most `window` in
+    flight (so the driver holds a bounded number of references however large the grid); each
+    cell's rows are logged as it finishes. Ctrl-C returns, marked interrupted, and a log that
+    cannot be written returns with its OutputError, after cancelling the tasks in flight when
     `cancel` (a cluster this process started is better shut down: its workers die with it, and
     Ray's driver can abort when a cancelled task's completion races the shutdown)."""
     command = the_plan.grid.command
@@ -801,14 +1263,20 @@ def dispatch(ray, the_plan: Plan, todo: list, log: ResultLog, progress: Progress
     task = ray.remote(run_cell).options(num_cpus=1, max_retries=retries, retry_exceptions=False)
     threads = 1 if command in NUMBA_COMMANDS else None
     cwd = os.getcwd()
-    pending = collections.deque(todo)
+    pending = iter(todo)
+    more = True
     in_flight = {}
     outcome = Outcome()
     try:
-        while pending or in_flight:
-            while pending and len(in_flight) < window:
-                cell = pending.popleft()
+        while more or in_flight:
+            while more and len(in_flight) < window:
+                cell = next(pending, None)
+                if cell is None:
+                    more = False
+                    break
                 in_flight[task.remote(the_plan.module, list(cell.argv), cwd, threads)] = cell
+            if not in_flight:
+                break
             ready, _ = ray.wait(list(in_flight), num_returns=1, timeout=0.5)
             for ref in ready:
                 cell = in_flight.pop(ref)
@@ -824,11 +1292,16 @@ def dispatch(ray, the_plan: Plan, todo: list, log: ResultLog, progress: Progress
             progress.show(min(len(in_flight), cpus))
     except KeyboardInterrupt:
         outcome.interrupted = True
-        for ref in in_flight if cancel else ():
-            try:
-                ray.cancel(ref, force=True)
-            except Exception:  # already finished or its worker already gone
-                pass
+    except OutputError as exc:
+        outcome.output_error = exc
+    if cancel and in_flight and (outcome.interrupted or outcome.output_error):
+        with ctrl_c_held() as came:
+            for ref in in_flight:
+                try:
+                    ray.cancel(ref, force=True)
+                except Exception:  # already finished or its worker already gone
+                    pass
+        outcome.interrupted |= bool(came)
     return outcome
 
 
@@ -846,7 +1319,18 @@ def _number(value):
 
 
 def check_plot(grid: Grid, path: str) -> None:
+    """BadArgument, before the grid's cells are even made, for what would make --plot fail
+    after the work: a path or format matplotlib cannot write, a file that cannot be opened
+    for writing, a grid of more than two dimensions."""
     plotting.check_plot_path(path)
+    existed = os.path.lexists(path)
+    try:
+        with open(path, "ab"):
+            pass
+        if not existed:
+            os.remove(path)
+    except OSError as exc:
+        raise BadArgument(f"--plot {path!r}: cannot write it: {_reason(exc)}") from None
     dims = grid.dimensions()
     if not 1 <= len(dims) <= 2:
         raise BadArgument(f"--plot draws a grid of one or two axes (zip groups count as one); "
@@ -941,75 +1425,91 @@ def run_sweep(grid_path: str, *, out: str | None = None, workers: int | None = N
               stream=None) -> dict:
     """The sweep as a function (the command is a thin layer over it). Every check happens
     before Ray starts; returns a summary dict. Raises KeyboardInterrupt after an interrupted
-    sweep's finished cells are written."""
+    sweep's finished cells are written; OutputError when the results cannot be written (the
+    cells logged before are kept) or --plot fails after the work."""
     stream = stream or sys.stderr
     grid = load_grid(grid_path)
+    if plot_path:  # before the cells are made: refusing a grid costs nothing however large
+        check_plot(grid, plot_path)
     the_plan = plan(grid)
+    cells = the_plan.cells
     out = out or default_out(grid_path)
     log_path = os.path.join(out, RESULTS)
-    if plot_path:
-        check_plot(grid, plot_path)
     metric = metric or DEFAULT_METRICS[grid.command]
     if os.path.exists(out) and not os.path.isdir(out):
         raise BadArgument(f"--out {out!r} is a file, not a folder")
-    latest = latest_attempts(log_path)
-    if latest and not resume and not dry_run:
+    # any byte in the log, even a torn line, is a sweep that ran here: never append silently
+    if log_holds_anything(log_path) and not resume and not dry_run:
         raise BadArgument(f"{out} already holds sweep results: --resume completes them; remove "
                           f"the folder (or give another --out) to start over")
-    done = {c.hash for c in the_plan.cells if latest.get(c.hash, (None,))[0] == "ok"} \
-        if resume else set()
-    todo = [c for c in the_plan.cells if c.hash not in done]
+    latest = latest_attempts(log_path) if resume else {}
+    done = bytearray(len(cells))    # one byte per cell: a million cells, one MB
+    for i in range(len(cells)) if latest else ():
+        done[i] = latest.get(cells.hash_at(i), (None,))[0] == "ok"
+    skipped = done.count(1)
     if dry_run:
-        for c in the_plan.cells:
-            print(f"{c.index}\t{c.hash}\t{'done' if c.hash in done else 'todo'}\t"
+        for c in cells:
+            print(f"{c.index}\t{c.hash}\t{'done' if done[c.index] else 'todo'}\t"
                   f"odma-hw {c.command_line}")
-        return {"cells": len(the_plan.cells), "skipped": len(done), "ran": 0, "failed": 0,
-                "out": out}
+        return {"cells": len(cells), "skipped": skipped, "ran": 0, "failed": 0, "out": out}
     if address is not None:
         address = resolve_address(address)
         check_reachable(address)
     ray = import_ray()
-    try:
-        os.makedirs(out, exist_ok=True)
-    except OSError as exc:
-        raise BadArgument(f"cannot create --out {out!r}: {exc.strerror or exc}") from None
+    prepare_out(out)
+    log = ResultLog(log_path)
     started = datetime.datetime.now().isoformat(timespec="seconds")
     t0 = time.perf_counter()
     outcome = Outcome()
     owned = False
     ray_start = ray_stop = 0.0
-    log = ResultLog(log_path)
     # Ctrl-C anywhere from here on (starting Ray, between cells, shutting down) ends in the same
-    # place: the log closed, the table written from every finished cell, exit 130
+    # place: the log closed, the table written from every finished cell, exit 130; so does a
+    # log that cannot be written, with exit 3
     try:
         owned = connect(ray, address, workers)
         ray_start = time.perf_counter() - t0
         cpus = cluster_cpus(ray)
         # a joined cluster: --workers caps the cells in flight; local: Ray has that many CPUs
         window = workers if (workers and (address or not owned)) else 2 * cpus
-        with open(os.path.join(out, META), "w") as f:
-            json.dump(_meta(the_plan, ray, address, started), f, indent=1, default=str)
-        progress = Progress(stream, os.path.basename(grid_path), len(the_plan.cells), len(done))
-        if todo:
-            outcome = dispatch(ray, the_plan, todo, log, progress, window=window,
-                               retries=retries, cancel=not owned)
+        meta = os.path.join(out, META)
+        try:
+            with open(meta, "w") as f:
+                json.dump(_meta(the_plan, ray, address, started), f, indent=1, default=str)
+        except OSError as exc:
+            raise OutputError(f"cannot write {meta}: {_reason(exc)}") from None
+        progress = Progress(stream, os.path.basename(grid_path), len(cells), skipped)
+        if skipped < len(cells):
+            outcome = dispatch(ray, the_plan, (cells[i] for i in range(len(cells))
+                                               if not done[i]),
+                               log, progress, window=window, retries=retries, cancel=not owned)
         progress.show(final=True)
     except KeyboardInterrupt:
         outcome.interrupted = True
+    except OutputError as exc:
+        outcome.output_error = exc
     finally:
         log.close()
         if owned:
             t_stop = time.perf_counter()
-            try:
+            with ctrl_c_held() as came:
                 ray.shutdown()
-            except KeyboardInterrupt:
-                outcome.interrupted = True
+            outcome.interrupted |= bool(came)
             ray_stop = time.perf_counter() - t_stop
+    if outcome.output_error:
+        with contextlib.suppress(OutputError):  # the table too, where it can still be written
+            write_table(table_rows(the_plan, log_path), out)
+        raise OutputError(f"{outcome.output_error} (the cells finished before are kept in "
+                          f"{log_path}; --resume runs the others)")
     rows = table_rows(the_plan, log_path)
-    files = write_table(rows, out)
-    summary = {"cells": len(the_plan.cells), "skipped": len(done), "ran": outcome.ran,
+    try:
+        files = write_table(rows, out)
+    except OutputError as exc:
+        raise OutputError(f"{exc} (every finished cell is in {log_path}; --resume writes the "
+                          f"table again)") from None
+    summary = {"cells": len(cells), "skipped": skipped, "ran": outcome.ran,
                "failed": sum(r["status"] != "ok" for r in rows if r["row"] == 0),
-               "missing": len(the_plan.cells) - sum(r["row"] == 0 for r in rows),
+               "missing": len(cells) - sum(r["row"] == 0 for r in rows),
                "wall_seconds": time.perf_counter() - t0, "ray_start_seconds": ray_start,
                "ray_stop_seconds": ray_stop, "out": out, "files": files}
     if outcome.interrupted:
@@ -1017,7 +1517,15 @@ def run_sweep(grid_path: str, *, out: str | None = None, workers: int | None = N
               f"{files[0]}; --resume runs the other {summary['missing']}", file=stream)
         raise KeyboardInterrupt
     if plot_path:
-        plot(grid, rows, metric, plot_path)
+        try:
+            plot(grid, rows, metric, plot_path)
+        except Exception as exc:
+            # the work is done and its table written: whatever stops the plot now (a --metric
+            # that is no column, a full disk, matplotlib) is one line and exit 3, never a
+            # traceback that buries where the results are
+            text = str(exc) if isinstance(exc, OdmaError) else (
+                f"cannot draw it: {_one_line(exc)}; the results are complete")
+            raise OutputError(f"--plot {plot_path}: {text} ({', '.join(files)})") from None
         summary["files"].append(plot_path)
     return summary
 

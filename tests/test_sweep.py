@@ -1,5 +1,7 @@
-"""`odma-hw sweep GRID`: grid files, cells checked before anything runs, content hashes, the
-results table and log, --resume, and sweeps on a local two-worker Ray.
+"""`odma-hw sweep GRID`: grid files, cells checked before anything runs (per axis value, so a
+million cells take no time), content hashes, the results table and log, output that cannot be
+written, --resume, Ctrl-C, and sweeps on a local two-worker Ray. The log's framing is in
+test_sweep_log.py.
 
 The Ray tests share one local Ray (a module fixture: starting Ray costs seconds) and a `fake`
 command defined in this module, whose cells can fail or kill their own worker on demand.
@@ -7,13 +9,17 @@ command defined in this module, whose cells can fail or kill their own worker on
 
 from __future__ import annotations
 
+import collections
 import csv
+import errno
 import json
 import os
+import queue
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -217,6 +223,193 @@ def test_dry_run_lists_every_cell_with_its_command_line(tmp_path, capsys):
         ["todo", "odma-hw emulate --requests 100 --pattern seq --json"],
         ["todo", "odma-hw emulate --requests 100 --pattern rand --json"]]
     assert sweep.default_out(grid) == str(tmp_path / "g-sweep")   # next to the grid, named for it
+
+
+def _million_cell_grid(path: Path, axes: int = 2) -> str:
+    values = {"seed": list(range(1, 1001)), "requests": list(range(1, 1001))} if axes == 2 else {
+        "seed": list(range(1, 101)), "requests": list(range(1, 101)),
+        "granularity": [32 * i for i in range(1, 101)]}
+    return write_grid(path, 'command = "emulate"\n[axes]\n' + "".join(
+        f"{name} = {v}\n" for name, v in values.items()))
+
+
+def test_a_million_cell_grid_is_checked_per_axis_value_not_per_cell(tmp_path, monkeypatch):
+    grid = sweep.load_grid(_million_cell_grid(tmp_path / "big.toml"))
+    parser = sweep.command_parser(sweep.COMMANDS["emulate"], "emulate")
+    calls = collections.Counter()
+    parse, verdict = parser.parse_args, sweep._verdict
+
+    def counted_parse(argv):
+        calls["parse"] += 1
+        assert calls["parse"] <= 2001, "every cell is parsed"
+        return parse(argv)
+
+    def counted_verdict(check, args):
+        calls[check.key] += 1
+        return verdict(check, args)
+    monkeypatch.setattr(parser, "parse_args", counted_parse)
+    monkeypatch.setattr(sweep, "_verdict", counted_verdict)
+    cells = sweep.plan(grid).cells
+    assert len(cells) == 10 ** 6
+    # a value check runs once per distinct value of what it reads
+    assert (calls["requests"], calls["spec"], calls["granularity"]) == (1000, 1, 1)
+    # the cells made when asked for are the ones a parse of each cell gives
+    for i in (0, 1, 999, 1000, 123_456, 999_999):
+        c = cells[i]
+        assert c.argv == ("emulate", "--seed", str(i // 1000 + 1), "--requests",
+                          str(i % 1000 + 1), "--json")
+        assert c.hash == sweep.content_hash("emulate", parse(list(c.argv[1:])))
+
+
+def test_cells_made_on_demand_are_the_cells_of_a_parse_of_each(tmp_path, fake_command):
+    for name, text in (("in.csv", "a\n"), ("same.csv", "a\n"), ("other.csv", "b\n")):
+        (tmp_path / name).write_text(text)
+    grid = sweep.load_grid(write_grid(tmp_path / "g.toml", f"""
+        command = "fake"
+        zip = [["x", "label"]]
+        [fixed]
+        input = "{tmp_path / 'in.csv'}"
+        [axes]
+        x = [1, 2, 3]
+        rows = [false, true]
+        label = ["a", "b", "c"]
+        """))
+    parser = sweep.command_parser(__name__, "fake")
+    cells = sweep.plan(grid).cells
+    assert [c.axes for c in cells] == grid.cells()
+    for c in cells:
+        argv = sweep.cell_argv(parser, {**grid.fixed, **c.axes}) + ["--json"]
+        assert c.argv == ("fake", *argv)
+        assert c.hash == sweep.content_hash("fake", parser.parse_args(argv))
+    # the hash follows a file's content, not its name
+    same = sweep.plan(sweep.load_grid(write_grid(tmp_path / "g.toml", (
+        tmp_path / "g.toml").read_text().replace("in.csv", "same.csv")))).cells
+    other = sweep.plan(sweep.load_grid(write_grid(tmp_path / "g.toml", (
+        tmp_path / "g.toml").read_text().replace("same.csv", "other.csv")))).cells
+    assert [c.hash for c in same] == [c.hash for c in cells]
+    assert not {c.hash for c in other} & {c.hash for c in cells}
+
+
+def test_a_million_cell_dry_run_lists_its_first_cell_at_once(tmp_path):
+    grid = _million_cell_grid(tmp_path / "big.toml")
+    proc = subprocess.Popen(
+        ["bash", "-c", f'"{sys.executable}" -m odma_hw sweep "{grid}" --dry-run | head -n 1'],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=60)   # checking cell by cell took about 100 s
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert out.split("\t")[0] == "0" and out.rstrip().endswith(
+        "odma-hw emulate --seed 1 --requests 1 --json"), (out, err)
+
+
+def test_a_grid_plot_cannot_draw_is_refused_before_its_cells_are_made(
+        tmp_path, capsys, no_ray, monkeypatch):
+    pytest.importorskip("matplotlib")
+    monkeypatch.setattr(sweep, "plan", lambda grid: pytest.fail("the cells were made first"))
+    grid = _million_cell_grid(tmp_path / "big.toml", axes=3)
+    assert main(["sweep", grid, "--plot", str(tmp_path / "p.png")]) == 2
+    err = capsys.readouterr().err
+    assert "one or two axes" in err and err.count("\n") == 1
+    assert not (tmp_path / "p.png").exists()
+
+
+@pytest.fixture
+def long_trace(tmp_path) -> Path:
+    """A trace whose longest request is 3000 + 200 tokens."""
+    path = tmp_path / "t.csv"
+    path.write_text("num_prefill_tokens,num_decode_tokens\n100,50\n3000,200\n")
+    return path
+
+
+@pytest.mark.parametrize("axes,match", [
+    ("max-model-len = [4000, 1000]", r"cell 1 \(max-model-len=1000\): max-model-len: 1 requests "
+                                     r"of t.csv exceed the 1000-token limit"),
+    ('max-model-len = [1000]\nclip = [true, false]',
+     r"cell 1 \(max-model-len=1000 clip=False\): max-model-len: .*pass --clip"),
+    ('timing = ["emu:lpddr5-6400", "probe:/nonexistent"]',
+     r"cell 1 \(timing=probe:/nonexistent\): timing: cannot read probe JSON /nonexistent"),
+    ('timing = ["emu:lpddr5-6400", "emu:lpddr9"]',
+     r"cell 1 \(timing=emu:lpddr9\): timing: unknown emulator preset 'lpddr9'"),
+    ('timing = ["sim:x"]', r"cell 0 \(timing=sim:x\): timing: unknown timing source 'sim:x'"),
+])
+def test_simulate_cells_that_simulate_would_refuse_fail_the_dry_run(
+        tmp_path, capsys, no_ray, long_trace, axes, match):
+    grid = write_grid(tmp_path / "g.toml", f'command = "simulate"\n[fixed]\ntrace = '
+                      f'"{long_trace}"\npolicy = "odma"\n[axes]\n{axes}\n')
+    assert main(["sweep", grid, "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and __import__("re").search(match, err), err
+
+
+def test_a_torch_device_that_is_not_here_fails_the_dry_run(tmp_path, capsys, no_ray,
+                                                          long_trace):
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    grid = write_grid(tmp_path / "g.toml", f'command = "simulate"\n[fixed]\ntrace = '
+                      f'"{long_trace}"\n[axes]\ntiming = ["live:torch:cpu", "live:torch:cuda"]\n')
+    assert main(["sweep", grid, "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"odma-hw: error: {grid}: cell 1 (timing=live:torch:cuda): timing: ")
+    assert err.count("\n") == 1
+
+
+def test_simulate_cells_that_fit_pass_the_dry_run(tmp_path, capsys, no_ray, long_trace):
+    grid = write_grid(tmp_path / "g.toml", f'command = "simulate"\n[fixed]\ntrace = '
+                      f'"{long_trace}"\n[axes]\nmax-model-len = [1000, 4000]\nclip = [true]\n')
+    assert main(["sweep", grid, "--dry-run"]) == 0
+    assert len(capsys.readouterr().out.splitlines()) == 2
+
+
+@pytest.fixture
+def no_cell_runs(monkeypatch):
+    """Output checks come before any cell runs (but after Ray is found)."""
+    pytest.importorskip("ray", reason="Ray is not installed: pip install 'odma-hw[sweep]'")
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the sweep started Ray before checking its output")
+    monkeypatch.setattr(sweep, "connect", refuse)
+
+
+@pytest.mark.parametrize("folder", ["results.jsonl", "results.csv.tmp", "results.csv",
+                                    "sweep.json"])
+def test_a_folder_where_an_output_file_goes_fails_in_one_line_before_any_cell(
+        tmp_path, capsys, no_cell_runs, folder):
+    grid = write_grid(tmp_path / "g.toml", 'command = "emulate"\n[axes]\nrequests = [10]\n')
+    out = tmp_path / "out"
+    (out / folder).mkdir(parents=True)
+    assert main(["sweep", grid, "--out", str(out)]) == 3
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "it is a folder" in err and folder in err, err
+
+
+def test_an_out_that_cannot_be_made_fails_in_one_line_before_any_cell(tmp_path, capsys,
+                                                                      no_cell_runs):
+    if not os.path.isdir("/sys/kernel"):
+        pytest.skip("needs Linux's /sys, where not even root makes folders")
+    grid = write_grid(tmp_path / "g.toml", 'command = "emulate"\n[axes]\nrequests = [10]\n')
+    assert main(["sweep", grid, "--out", "/sys/odma-hw-sweep"]) == 3
+    err = capsys.readouterr().err
+    assert err.startswith("odma-hw: error: cannot create --out '/sys/odma-hw-sweep': ")
+    assert err.count("\n") == 1
+
+
+def test_a_read_only_out_fails_in_one_line_before_any_cell(tmp_path, capsys, no_cell_runs):
+    if os.geteuid() == 0:
+        pytest.skip("root writes in read-only folders")
+    grid = write_grid(tmp_path / "g.toml", 'command = "emulate"\n[axes]\nrequests = [10]\n')
+    out = tmp_path / "out"
+    out.mkdir()
+    out.chmod(0o500)
+    try:
+        assert main(["sweep", grid, "--out", str(out)]) == 3
+    finally:
+        out.chmod(0o700)
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Permission denied" in err, err
 
 
 # --------------------------------------------------------------------- content hashes
@@ -433,3 +626,143 @@ def test_ctrl_c_keeps_the_finished_cells_and_exits_130(tmp_path):
     assert 1 <= len(finished) < 8
     assert [r["hash"] for r in read_csv(out / "results.csv") if r["status"] == "ok"] == [
         r["hash"] for r in sorted(finished, key=lambda r: r["cell"])]
+
+
+def test_a_torn_last_line_reruns_its_cell_on_resume(tmp_path, capsys, fake_command, local_ray):
+    grid = write_grid(tmp_path / "g.toml", """
+        command = "fake"
+        [fixed]
+        rows = true
+        [axes]
+        x = [1, 2, 3, 4]
+        """)
+    out = tmp_path / "out"
+    assert main(["sweep", grid, "--out", str(out)]) == 0
+    log = out / "results.jsonl"
+    torn = read_log(log)[-1]
+    os.truncate(log, log.stat().st_size - 100)   # a crash in the middle of a cell's last row
+    capsys.readouterr()
+    assert main(["sweep", grid, "--out", str(out), "--resume"]) == 0
+    assert "4 cells: 4 ok, 0 failed, 3 already done" in capsys.readouterr().out
+    rows = read_csv(out / "results.csv")
+    assert [(r["x"], r["row"]) for r in rows] == [(str(x), str(i)) for x in range(1, 5)
+                                                  for i in (0, 1)]
+    # the rerun's rows start on a line of their own: every line but the torn one is whole
+    lines = log.read_bytes().splitlines()
+    assert [sweep.unframe(line) is None for line in lines] == [False] * 7 + [True] + [False] * 2
+    assert [json.loads(line)["x"] for line in lines[-2:]] == [torn["x"]] * 2
+
+
+def test_a_full_disk_mid_sweep_fails_in_one_line_and_keeps_the_finished_cells(
+        tmp_path, capsys, fake_command, local_ray, monkeypatch):
+    grid = write_grid(tmp_path / "g.toml", """
+        command = "fake"
+        [fixed]
+        rows = true
+        [axes]
+        x = [1, 2, 3, 4]
+        """)
+    out = tmp_path / "out"
+    real_os = sweep.os
+    appends = []
+
+    class DiskFillsUp:
+        """sweep's os, but the log's second append stops half way: the disk is full."""
+
+        def __getattr__(self, name):
+            return getattr(real_os, name)
+
+        def write(self, fd, data):
+            appends.append(len(data))
+            if len(appends) == 1:
+                return real_os.write(fd, data)
+            if len(appends) == 2:
+                return real_os.write(fd, bytes(data[:len(data) // 2]))
+            raise OSError(errno.ENOSPC, real_os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(sweep, "os", DiskFillsUp())
+    assert main(["sweep", grid, "--out", str(out)]) == 3
+    err = capsys.readouterr().err
+    (error,) = [line for line in err.splitlines() if not line.startswith("sweep g.toml: ")]
+    assert error.startswith("odma-hw: error: cannot append to") and \
+        "No space left on device" in error and "--resume" in error, err
+    (finished,) = sweep.latest_attempts(str(out / "results.jsonl")).values()
+    assert len(finished[1]) == 2
+    assert len(read_csv(out / "results.csv")) == 2     # the table holds the finished cell
+
+    monkeypatch.setattr(sweep, "os", real_os)           # space again
+    assert main(["sweep", grid, "--out", str(out), "--resume"]) == 0
+    assert [r["x"] for r in read_csv(out / "results.csv")] == ["1", "1", "2", "2", "3", "3",
+                                                              "4", "4"]
+
+
+def test_a_plot_that_fails_after_the_work_exits_3_in_one_line(tmp_path, capsys, fake_command,
+                                                              local_ray):
+    pytest.importorskip("matplotlib")
+    grid = write_grid(tmp_path / "g.toml", 'command = "fake"\n[axes]\nx = [1, 2]\n')
+    out, png = tmp_path / "out", tmp_path / "p.png"
+    # which columns a cell returns is known only once it ran
+    assert main(["sweep", grid, "--out", str(out), "--plot", str(png), "--metric", "nope"]) == 3
+    err = capsys.readouterr().err
+    (error,) = [line for line in err.splitlines() if not line.startswith("sweep g.toml: ")]
+    assert error.startswith("odma-hw: error: --plot") and "--metric 'nope' is not a column" in \
+        error, err
+    assert len(read_csv(out / "results.csv")) == 2 and not png.exists()
+
+
+def test_ctrl_c_is_held_while_it_is_held_and_counted():
+    with sweep.ctrl_c_held() as came:
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.1)
+    assert came == [signal.SIGINT]
+    with pytest.raises(KeyboardInterrupt):      # and is Ctrl-C again afterwards
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(1)
+
+
+def test_more_ctrl_c_while_ray_shuts_down_print_no_traceback(tmp_path):
+    pytest.importorskip("ray", reason="Ray is not installed: pip install 'odma-hw[sweep]'")
+    grid = write_grid(tmp_path / "slow.toml", """
+        command = "emulate"
+        [fixed]
+        requests = 400000
+        [axes]
+        seed = [1, 2, 3, 4, 5, 6, 7, 8]
+        """)
+    out = tmp_path / "out"
+    log = out / "results.jsonl"
+    proc = subprocess.Popen([sys.executable, "-m", "odma_hw", "sweep", grid, "--out", str(out),
+                             "--workers", "1"], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    lines = queue.Queue()
+    reader = threading.Thread(target=lambda: [lines.put(line) for line in proc.stderr],
+                              daemon=True)
+    reader.start()
+    err = []
+    try:
+        deadline = time.monotonic() + 60
+        while not (log.exists() and log.read_text().count("\n") >= 1):
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+        os.killpg(proc.pid, signal.SIGINT)
+        # the last progress line (nothing running) comes just before Ray shuts down: a second
+        # Ctrl-C then lands in the shutdown, a third where Ray's exit hook would finish it
+        while True:
+            try:
+                err.append(lines.get(timeout=30))
+            except queue.Empty:
+                break
+            if " 0 running" in err[-1]:
+                break
+        os.killpg(proc.pid, signal.SIGINT)
+        time.sleep(0.4)
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(timeout=60)
+        reader.join(timeout=10)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    err = "".join(err) + "".join(lines.queue)
+    assert "Traceback" not in err, err
+    # 130, or killed by the last SIGINT once the interpreter had let go of its handler
+    assert proc.returncode in (130, -signal.SIGINT), err
+    assert [r["status"] for r in read_log(log)][:1] == ["ok"]

@@ -38,8 +38,6 @@ def parse_policies(text: str, extra: tuple = ()) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-_policies = parse_policies
-
 
 def simulate(trace, policies=("odma", "static", "paged"), rates=(None,), *,
              model="deepseek-r1-distill-qwen-7b", device="mlu370-x4", timing=None,
