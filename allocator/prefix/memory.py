@@ -34,8 +34,6 @@ def host_view(device, buf, offset: int, nbytes: int) -> np.ndarray | None:
     if not is_host_memory(device):
         return None
     if device.info.kind == "host":
-        from odma_hw import native
-
         ffi, _ = native.require()
         return np.frombuffer(ffi.buffer(ffi.cast("char *", buf.handle + offset), nbytes), np.uint8)
     return buf.handle[offset:offset + nbytes].numpy()

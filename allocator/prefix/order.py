@@ -17,8 +17,12 @@ import heapq
 import itertools
 import random
 
+EVICTIONS = ("lru", "fifo", "random")
+
 
 class TierOrder:
+    """The members of one tier in the order `policy` (one of EVICTIONS) evicts them."""
+
     def __init__(self, policy: str, rng: random.Random):
         self.policy = policy
         self._rng = rng
