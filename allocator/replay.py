@@ -40,6 +40,7 @@ import time
 import numpy as np
 
 from odma_hw import argtypes, jsonout, plotting
+from odma_hw.commands import ValueCheck
 from odma_hw.errors import BadArgument
 
 from allocator.buckets import RULES
@@ -47,7 +48,7 @@ from allocator.config import BASES, COLD_STARTS, AllocatorConfig
 from allocator.policies import LARGE, POLICIES, make_allocator
 from allocator.errors import OutOfMemory
 from allocator.predictors import PREDICTORS, Request, make_predictor
-from allocator.trace import RequestTrace, arrival_seconds, load_trace
+from allocator.trace import RequestTrace, arrival_seconds, load_trace, trace_check
 
 Trace = RequestTrace  # the name replay's callers know
 
@@ -443,6 +444,11 @@ def add_policy_arguments(p) -> None:
                    help="u > tau: large bucket")
     p.add_argument("--large-share", type=argtypes.unit_fraction, default=0.1,
                    help="pool share reserved for the large bucket")
+
+
+def sweep_checks() -> list[ValueCheck]:
+    """What compute() refuses before any work (see odma_hw/commands.py)."""
+    return [trace_check(), ValueCheck("pool-gib", ("pool_gib",), lambda a: pool_bytes(a.pool_gib))]
 
 
 def register(subparsers) -> None:

@@ -20,6 +20,7 @@ import array
 import contextlib
 import csv
 import errno
+import functools
 import math
 import os
 import secrets
@@ -27,6 +28,7 @@ import stat
 
 import numpy as np
 
+from odma_hw.commands import ValueCheck
 from odma_hw.errors import BadArgument, OutputError
 
 # No model serves a request longer than this; a larger count is a corrupt trace.
@@ -242,6 +244,24 @@ def load_trace(path) -> RequestTrace:
 
 # Failures of the storage itself rather than of the path the user named: exit 3, not 2.
 _STORAGE_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EFBIG}
+
+
+@functools.lru_cache(maxsize=8)
+def _trace_at(path: str, mtime_ns: int, size: int) -> RequestTrace:
+    return load_trace(path)
+
+
+def load_trace_once(path) -> RequestTrace:
+    """load_trace(), read once per path, modification time and size however often it is asked
+    for (a sweep's checks and cells name the same trace many times). Treat it as read-only."""
+    st = os.stat(path)
+    return _trace_at(os.path.realpath(path), st.st_mtime_ns, st.st_size)
+
+
+def trace_check() -> ValueCheck:
+    """A request trace that load_trace() reads (columns, numbers), as replay and simulate read
+    it before any work."""
+    return ValueCheck("trace", ("trace",), lambda a: load_trace_once(a.trace))
 
 
 def _existing(path: str) -> os.stat_result | None:

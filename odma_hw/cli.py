@@ -1,7 +1,8 @@
 """`odma-hw` command line: a thin layer over the Python APIs.
 
-Each subcommand lives next to the code it drives and exposes `register(subparsers)`, which adds its
-parser and sets `func(args) -> int`. Exit codes: 0 ok, 2 bad usage (one-line reason), 3 failure at
+Each subcommand lives next to the code it drives, found through the registry of
+odma_hw/commands.py, and exposes `register(subparsers)`, which adds its parser and sets
+`func(args) -> int`. Exit codes: 0 ok, 2 bad usage (one-line reason), 3 failure at
 run time (a device, or writing the output: a full disk, a closed terminal), 130 interrupted. A
 reader that stops early (`odma-hw devices | head -1`) is not a failure: 0.
 """
@@ -13,20 +14,10 @@ import importlib
 import os
 import sys
 
+from odma_hw.commands import by_module
 from odma_hw.errors import BadArgument, DeviceError, DeviceUnavailable, OdmaError
 
-# modules that register subcommands, in the order --help lists them
-COMMAND_MODULES = {
-    "odma_hw.probe": ("devices", "probe"),
-    "odma_hw.emu.cli": ("emulate",),
-    "allocator.replay": ("replay",),
-    "allocator.serving.cli": ("simulate",),
-    "allocator.serving.workloads": ("workload",),
-    "odma_hw.sweep": ("sweep",),
-}
-
-
-class _Parser(argparse.ArgumentParser):
+class Parser(argparse.ArgumentParser):
     """argparse that reports bad usage in one line with exit status 2 (not a usage dump)."""
 
     def error(self, message):
@@ -34,13 +25,13 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
+    parser = Parser(
         prog="odma-hw",
         description="Measure whether device memory is random-access-constrained (RACM), emulate "
                     "LPDDR5 timing, and replay KV-cache allocation policies.")
     parser.add_argument("--version", action="version", version="odma-hw 0.1.0")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
-    for module, commands in COMMAND_MODULES.items():
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
+    for module, commands in by_module().items():
         try:
             importlib.import_module(module).register(sub)
         except ImportError as exc:

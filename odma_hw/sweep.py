@@ -87,23 +87,14 @@ import time
 from dataclasses import dataclass, field
 
 from odma_hw import argtypes, plotting
+from odma_hw.commands import ValueCheck, module_of, registry
 from odma_hw.errors import BadArgument, DeviceUnavailable, OdmaError
 
 SCHEMA = "odma-hw.sweep/1"
 INSTALL_HINT = "pip install 'odma-hw[sweep]'"
 
-# the commands a grid may run, and the module that registers each (register + compute)
-COMMANDS = {
-    "emulate": "odma_hw.emu.cli",
-    "replay": "allocator.replay",
-    "simulate": "allocator.serving.cli",
-}
 # what --plot draws when --metric is not given
 DEFAULT_METRICS = {"emulate": "efficiency", "replay": "utilization", "simulate": "output_tps"}
-# result keys that tell apart the rows of a multi-row command (one plotted line each)
-ROW_KEYS = {"simulate": ("policy", "rate")}
-# commands whose cells run the Numba emulator (and so warm it up per worker)
-NUMBA_COMMANDS = {"emulate", "simulate"}
 # options a cell cannot take: the sweep prints nothing per cell and plots the whole grid
 RESERVED_OPTIONS = {"json": "cells always return their JSON object",
                     "plot": "use the sweep's --plot", "series": "time series are not tabulated",
@@ -218,9 +209,9 @@ def load_grid(path: str) -> Grid:
         raise BadArgument(f"grid {path}: unknown key {unknown[0]!r}; a grid has "
                           f"{', '.join(GRID_KEYS)}")
     command = data.get("command")
-    if command not in COMMANDS:
-        raise BadArgument(f"grid {path}: command must be one of {', '.join(COMMANDS)}, not "
-                          f"{command!r}")
+    if not sweepable(command):
+        raise BadArgument(f"grid {path}: command must be one of "
+                          f"{', '.join(c for c in registry() if sweepable(c))}, not {command!r}")
     fixed, axes = data.get("fixed", {}), data.get("axes", {})
     for name, table in (("fixed", fixed), ("axes", axes)):
         if not isinstance(table, dict):
@@ -272,9 +263,9 @@ def load_grid(path: str) -> Grid:
 def command_parser(module: str, command: str) -> argparse.ArgumentParser:
     """The command's own parser (what `odma-hw COMMAND` uses), whose errors raise BadArgument
     instead of exiting."""
-    from odma_hw.cli import _Parser
+    from odma_hw.cli import Parser
 
-    sub = _Parser(prog="odma-hw").add_subparsers(dest="command", parser_class=_Parser)
+    sub = Parser(prog="odma-hw").add_subparsers(dest="command", parser_class=Parser)
     importlib.import_module(module).register(sub)
     parser = sub.choices[command]
 
@@ -307,93 +298,6 @@ def cell_argv(parser, options: dict) -> list[str]:
     return argv
 
 
-@dataclass(frozen=True)
-class ValueCheck:
-    """A check that a command's compute() makes before its work, reused from the command.
-    `reads` names every parsed argument (argparse dest) it looks at: the sweep runs it once per
-    distinct combination of their values, not once per cell, and hands it only those (an
-    undeclared read fails loudly rather than being checked against one cell's value only)."""
-
-    key: str                            # the option a refusal names
-    reads: tuple
-    run: collections.abc.Callable       # run(namespace of `reads`), raising BadArgument
-
-
-def _checks_emulate() -> list[ValueCheck]:
-    from odma_hw.emu.cli import _int
-    from odma_hw.emu.specs import device_spec
-
-    return [
-        ValueCheck("spec", ("spec", "mode", "bl", "channels", "interleave"),
-                   lambda a: device_spec(a.spec, mode=a.mode, bl=a.bl, channels=a.channels,
-                                         interleave=a.interleave)),
-        ValueCheck("granularity", ("granularity",),
-                   lambda a: _int(a.granularity, "--granularity")),
-        ValueCheck("requests", ("requests",), lambda a: _int(a.requests, "--requests")),
-        ValueCheck("footprint", ("footprint",),
-                   lambda a: a.footprint is None or _int(a.footprint, "--footprint"))]
-
-
-def _checks_replay() -> list[ValueCheck]:
-    from allocator.replay import pool_bytes
-
-    return [_readable_trace(),
-            ValueCheck("pool-gib", ("pool_gib",), lambda a: pool_bytes(a.pool_gib))]
-
-
-@functools.lru_cache(maxsize=8)
-def _trace(path: str, mtime_ns: int, size: int):
-    from allocator.trace import load_trace
-
-    return load_trace(path)
-
-
-def loaded_trace(path: str):
-    """A trace CSV read once per sweep (per path, modification time and size), however many
-    cells and checks name it."""
-    st = os.stat(path)
-    return _trace(os.path.realpath(path), st.st_mtime_ns, st.st_size)
-
-
-def _readable_trace() -> ValueCheck:
-    """A request trace that load_trace() reads (columns, numbers), as replay and simulate
-    read it first."""
-    return ValueCheck("trace", ("trace",), lambda a: loaded_trace(a.trace))
-
-
-def _fits(a) -> None:
-    """simulate's refusal of a request longer than --max-model-len (without --clip)."""
-    from allocator.serving.engine import fit_lengths
-    from allocator.serving.presets import model_spec
-
-    trace = loaded_trace(a.trace)
-    if a.requests is not None:
-        trace = trace.head(a.requests)
-    fit_lengths(trace, a.max_model_len, model_spec(a.model), a.clip)
-
-
-def _timing_source(a) -> None:
-    """What make_timing() refuses, short of running the emulator or measuring."""
-    from allocator.serving.presets import accelerator
-    from allocator.serving.timing import EmuSettings, make_timing
-
-    dev = accelerator(a.device)
-    emu = EmuSettings(preset=dev.emu_preset, channels=a.channels or dev.emu_channels,
-                      interleave=a.interleave)
-    make_timing(a.timing or f"emu:{dev.emu_preset}", dev.bandwidth_gbps, emu, check_only=True)
-
-
-def _checks_simulate() -> list[ValueCheck]:
-    from allocator.serving.cli import parse_policies
-
-    return [ValueCheck("policy", ("policy",), lambda a: parse_policies(a.policy)),
-            _readable_trace(),
-            ValueCheck("max-model-len", ("trace", "requests", "max_model_len", "model", "clip"),
-                       _fits),
-            ValueCheck("timing", ("timing", "device", "channels", "interleave"),
-                       _timing_source)]
-
-
 def _verdict(check: ValueCheck, args: dict) -> str | None:
     """`KEY: reason` when the check refuses these values, else None."""
     try:
@@ -408,18 +312,28 @@ def _trace_exists(a) -> None:
         raise BadArgument(f"no such file {a.trace!r}")
 
 
-# value checks that each command's compute() makes before its work, reused from the command;
-# what parsing alone lets through (a preset name, a policy list, a trace too long for
-# --max-model-len) is refused here, up front
-VALUE_CHECKS = {"emulate": _checks_emulate, "replay": _checks_replay,
-                "simulate": _checks_simulate}
-
-
 def value_checks(command: str, dests) -> list[ValueCheck]:
-    """The checks of `command`, in order; first that a named trace exists (every check that
-    reads the trace comes after)."""
+    """The checks of `command` (its module's sweep_checks(): what parsing alone lets through, a
+    preset name, a policy list, a trace too long for --max-model-len, is refused up front), in
+    order; first that a named trace exists (every check that reads the trace comes after)."""
     checks = [ValueCheck("trace", ("trace",), _trace_exists)] if "trace" in dests else []
-    return checks + VALUE_CHECKS.get(command, lambda: [])()
+    return checks + list(getattr(module_of(command), "sweep_checks", lambda: [])())
+
+
+def sweepable(command) -> bool:
+    """Whether a grid may run `command`: a registered command with a compute(args), not the
+    sweep itself."""
+    if command not in registry() or command == "sweep":
+        return False
+    try:
+        return hasattr(module_of(command), "compute")
+    except ImportError:
+        return False
+
+
+def uses_numba(command: str) -> bool:
+    """Whether `command`'s cells run the Numba emulator (and so warm it up per worker)."""
+    return bool(getattr(module_of(command), "USES_NUMBA", False))
 
 
 @functools.lru_cache(maxsize=None)
@@ -727,7 +641,7 @@ class Plan:
 def plan(grid: Grid) -> Plan:
     """Every cell checked as the command would check it, and hashed, without making the cells
     (see Cells): BadArgument naming the first bad cell and key. Nothing runs."""
-    module = COMMANDS[grid.command]
+    module = registry()[grid.command]
     return Plan(grid, module, Cells(grid, command_parser(module, grid.command)))
 
 
@@ -1261,7 +1175,7 @@ def dispatch(ray, the_plan: Plan, todo, log: ResultLog, progress: Progress, *,
     command = the_plan.grid.command
     cpus = cluster_cpus(ray)
     task = ray.remote(run_cell).options(num_cpus=1, max_retries=retries, retry_exceptions=False)
-    threads = 1 if command in NUMBA_COMMANDS else None
+    threads = 1 if uses_numba(command) else None
     cwd = os.getcwd()
     pending = iter(todo)
     more = True
@@ -1359,7 +1273,7 @@ def plot_lines(grid: Grid, rows: list[dict], metric: str) -> tuple[str, dict, bo
     dims = grid.dimensions()
     x_axis = dims[0][0]
     series_keys = [dims[1][0]] if len(dims) > 1 else []
-    for key in ROW_KEYS.get(grid.command, ()):
+    for key in getattr(module_of(grid.command), "ROW_KEYS", ()):
         col = _column(ok, key)
         per_cell = collections.defaultdict(set)
         for r in ok:
@@ -1409,7 +1323,7 @@ def _meta(the_plan: Plan, ray, address, started: str) -> dict:
     g = the_plan.grid
     numba_note = ("each worker process ran one small emulate before its first cell "
                   "(warm_up_seconds on that row): wall_seconds never includes Numba compilation"
-                  if g.command in NUMBA_COMMANDS else "no Numba in this command")
+                  if uses_numba(g.command) else "no Numba in this command")
     return {"schema": SCHEMA, "grid": os.path.abspath(g.path), "command": g.command,
             "description": g.description, "fixed": g.fixed, "axes": g.axes,
             "zip": [list(z) for z in g.zips], "cells": len(the_plan.cells),

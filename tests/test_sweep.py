@@ -27,6 +27,7 @@ import pytest
 
 from odma_hw import sweep
 from odma_hw.cli import main
+from odma_hw.commands import registry
 from odma_hw.errors import BadArgument
 
 REPO = Path(__file__).resolve().parents[1]
@@ -64,7 +65,7 @@ def compute(args) -> dict:
 
 @pytest.fixture
 def fake_command(monkeypatch):
-    monkeypatch.setitem(sweep.COMMANDS, "fake", __name__)
+    monkeypatch.setitem(registry(), "fake", __name__)
     monkeypatch.setitem(sweep.DEFAULT_METRICS, "fake", "square")
 
 
@@ -235,7 +236,7 @@ def _million_cell_grid(path: Path, axes: int = 2) -> str:
 
 def test_a_million_cell_grid_is_checked_per_axis_value_not_per_cell(tmp_path, monkeypatch):
     grid = sweep.load_grid(_million_cell_grid(tmp_path / "big.toml"))
-    parser = sweep.command_parser(sweep.COMMANDS["emulate"], "emulate")
+    parser = sweep.command_parser(registry()["emulate"], "emulate")
     calls = collections.Counter()
     parse, verdict = parser.parse_args, sweep._verdict
 

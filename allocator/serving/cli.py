@@ -10,6 +10,7 @@ from __future__ import annotations
 import sys
 
 from odma_hw import argtypes, jsonout, plotting
+from odma_hw.commands import ValueCheck
 from odma_hw.errors import BadArgument, OdmaError, RunFailed
 
 from allocator.config import AllocatorConfig
@@ -19,7 +20,8 @@ from allocator.serving.engine import (PAGED_LAYOUTS, SCHEDULES, PrefixSettings, 
                                      check_policy, fit_lengths, progress_printer, run_policy)
 from allocator.serving.presets import ACCELERATORS, MODEL_ALIASES, MODELS, accelerator, model_spec
 from allocator.serving.timing import EmuSettings, make_timing
-from allocator.trace import RequestTrace, arrival_seconds, load_trace
+from allocator.trace import (RequestTrace, arrival_seconds, load_trace, load_trace_once,
+                             trace_check)
 
 EVICTIONS = ("lru", "fifo", "random")
 
@@ -252,6 +254,32 @@ def _cmd(args) -> int:
         raise RunFailed(f"{len(failed)} of {len(failed) + len(results)} runs failed (the "
                           f"others are complete): {runs}")
     return 0
+
+
+USES_NUMBA = True                       # the default timing source is the emulator
+ROW_KEYS = ("policy", "rate")           # what tells apart the rows of one run
+
+
+def sweep_checks() -> list[ValueCheck]:
+    """What simulate() refuses before any work, short of measuring (see odma_hw/commands.py)."""
+    def fits(a):
+        trace = load_trace_once(a.trace)
+        if a.requests is not None:
+            trace = trace.head(a.requests)
+        fit_lengths(trace, a.max_model_len, model_spec(a.model), a.clip)
+
+    def timing(a):
+        dev = accelerator(a.device)
+        emu = EmuSettings(preset=dev.emu_preset, channels=a.channels or dev.emu_channels,
+                          interleave=a.interleave)
+        make_timing(a.timing or f"emu:{dev.emu_preset}", dev.bandwidth_gbps, emu,
+                    check_only=True)
+
+    return [ValueCheck("policy", ("policy",), lambda a: parse_policies(a.policy)),
+            trace_check(),
+            ValueCheck("max-model-len", ("trace", "requests", "max_model_len", "model", "clip"),
+                       fits),
+            ValueCheck("timing", ("timing", "device", "channels", "interleave"), timing)]
 
 
 def register(subparsers) -> None:

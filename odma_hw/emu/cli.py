@@ -5,7 +5,10 @@ from __future__ import annotations
 import sys
 
 from odma_hw import jsonout
+from odma_hw.commands import ValueCheck
 from odma_hw.errors import BadArgument
+
+USES_NUMBA = True
 
 SCHEMA = "odma-hw.emulate/1"
 
@@ -161,3 +164,18 @@ def _print_table(d: dict) -> int:
     for k, v in rows:
         print(f"{k:<{width}}  {v}")
     return 0
+
+
+def sweep_checks() -> list[ValueCheck]:
+    """What compute() refuses before any work (see odma_hw/commands.py)."""
+    from odma_hw.emu.specs import device_spec
+
+    return [
+        ValueCheck("spec", ("spec", "mode", "bl", "channels", "interleave"),
+                   lambda a: device_spec(a.spec, mode=a.mode, bl=a.bl, channels=a.channels,
+                                         interleave=a.interleave)),
+        ValueCheck("granularity", ("granularity",),
+                   lambda a: _int(a.granularity, "--granularity")),
+        ValueCheck("requests", ("requests",), lambda a: _int(a.requests, "--requests")),
+        ValueCheck("footprint", ("footprint",),
+                   lambda a: a.footprint is None or _int(a.footprint, "--footprint"))]
