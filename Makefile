@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml setup.py constraints.txt $(wildcard native/*.c native/*.h native/*.py)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -c constraints.txt -e '.[torch,plot,sweep,test]'
+	$(BIN)/python -m pip install -q -c constraints.txt -e '.[torch,plot,sweep,test,engine]'
 	touch $(STAMP)
 
 # the venv is not on PATH, and the README's commands use the bare name `odma-hw`

@@ -87,8 +87,8 @@ class ClusterManager:
     def block(self, request_id):
         return self._owner(request_id).block(request_id)
 
-    def grow(self, request_id, total_tokens):
-        return self._owner(request_id).grow(request_id, total_tokens)
+    def grow(self, request_id, total_tokens, copy=None):
+        return self._owner(request_id).grow(request_id, total_tokens, copy)
 
     def release(self, request_id, realized_tokens=None, *, preempted=False):
         self._owner(request_id).release(request_id, realized_tokens, preempted=preempted)

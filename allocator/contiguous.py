@@ -24,6 +24,7 @@ counters that count failures (reserve_failures, oom_events).
 from __future__ import annotations
 
 import math
+import time
 
 from odma_hw.errors import BadArgument
 
@@ -188,11 +189,14 @@ class ContiguousPool(PoolAllocator):
             self._live[request_id] = blk
         return blk
 
-    def grow(self, request_id, total_tokens: int) -> Block:
+    def grow(self, request_id, total_tokens: int, copy=None) -> Block:
         """Tell the allocator the request now holds `total_tokens` (prompt + generated). Returns
-        its block: the same one while it fits, a new one after a migration. Raises
-        UnknownRequest, BadArgument (below the current length, above max_tokens), OutOfMemory
-        (the request stays valid in its old block), MigrationFailed (likewise)."""
+        its block: the same one while it fits, a new one after a migration. A migration copies
+        the old block's first `written` bytes, or calls copy(old, new) when given: the caller's
+        own copy, for a layout whose place of a token depends on the capacity (head-major KV);
+        it runs while the old block is still readable and the new one not yet the request's.
+        Raises UnknownRequest, BadArgument (below the current length, above max_tokens),
+        OutOfMemory (the request stays valid in its old block), MigrationFailed (likewise)."""
         total = count("total_tokens", total_tokens)
         with self._lock:
             old = self._lookup(request_id)
@@ -215,7 +219,11 @@ class ContiguousPool(PoolAllocator):
             n = min(old.written, old.nbytes)
         seconds = 0.0
         try:
-            if n and self._pool.holds_bytes:
+            if copy is not None and self._pool.holds_bytes:
+                start = time.perf_counter()
+                copy(old, new)
+                seconds = time.perf_counter() - start
+            elif n and self._pool.holds_bytes:
                 seconds = self._pool.copy(off, old.offset, n)
         except BaseException as exc:
             with self._lock:

@@ -4,6 +4,7 @@ A serving runtime (or `odma-hw replay` / `odma-hw simulate`) talks to any of the
 
     blk = alloc.reserve(request_id, prompt_tokens, predicted_tokens, uncertainty)  # admission
     blk = alloc.grow(request_id, total_tokens)      # a decode step outgrew the block?
+                                                    # (copy=fn: the caller moves its KV)
     alloc.release(request_id, realized_tokens)      # completion (preempted=True: will rerun)
 
 Failures raise OutOfMemory (admission waits, or the request is preempted), a BadArgument subclass
@@ -48,7 +49,7 @@ class KVAllocator(Protocol):
     def reserve(self, request_id, prompt_tokens: int, predicted_tokens: float = 0.0,
                 uncertainty: float = 0.0) -> KVBlock: ...
 
-    def grow(self, request_id, total_tokens: int) -> KVBlock: ...
+    def grow(self, request_id, total_tokens: int, copy=None) -> KVBlock: ...
 
     def release(self, request_id, realized_tokens: int | None = None, *,
                 preempted: bool = False) -> None: ...

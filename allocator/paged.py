@@ -145,8 +145,8 @@ class PagedAllocator(PoolAllocator):
             self._live[request_id] = blk
         return blk
 
-    def grow(self, request_id, total_tokens):
-        """Append pages as the request grows; never migrates."""
+    def grow(self, request_id, total_tokens, copy=None):
+        """Append pages as the request grows; never migrates (`copy` is never called)."""
         total = count("total_tokens", total_tokens)
         with self._lock:
             blk = self._lookup(request_id)

@@ -9,7 +9,7 @@ import math
 import numpy as np
 
 
-def _percentiles(values) -> dict:
+def percentiles(values) -> dict:
     if not len(values):
         return {"mean": None, "p50": None, "p90": None, "p99": None}
     v = np.asarray(values, dtype=np.float64)
@@ -54,9 +54,9 @@ def summarise(trace, policy, setup, results, reqs, replicas, dropped, truncated,
         "output_tokens": made,
         "output_tps": made / span,
         "requests_per_s": len(reqs) / span,
-        "ttft_s": _percentiles(ttft),
-        "tpot_s": _percentiles(tpot),
-        "e2e_s": _percentiles(e2e),
+        "ttft_s": percentiles(ttft),
+        "tpot_s": percentiles(tpot),
+        "e2e_s": percentiles(e2e),
         "utilization": used / reserved if reserved else None,
         "mean_batch": tot["batch_seconds"] / decode,
         "peak_batch": int(tot["peak_batch"]),

@@ -171,11 +171,13 @@ class Scheduler:
     - a request that has made all its tokens finishes: its KV is freed (and offered to the
       cache). A request done in its prefill never grows: its last token is output, never read.
     What a decision costs in time is not decided here: the caller's executor (a timing model, or
-    a real model's forward passes) costs or runs the steps. `tot` counts the decisions."""
+    a real model's forward passes) costs or runs the steps. `tot` counts the decisions; `log`,
+    when given, records each one as (what, request id) in the order made; `migrate`, when given,
+    is the allocator's copy for a migration (see ContiguousPool.grow)."""
 
     def __init__(self, alloc, predictor, requests: list, *, max_batch: int, max_prefill: int,
                  bytes_per_token: int, cache=None, schedule: str = "fcfs", prefetch: int = 0,
-                 tot=None):
+                 tot=None, migrate=None, log: list | None = None):
         self.alloc = alloc
         self.predictor = predictor
         self.reqs = requests
@@ -191,6 +193,8 @@ class Scheduler:
                                     lambda key: DISTANCE[cache.lookup(key)[0]])
         self.running: dict = {}
         self.done = 0
+        self.migrate = migrate
+        self.log = log
 
     def tier_of(self, r):
         """The cache tier holding r's prefix, or None."""
@@ -220,6 +224,7 @@ class Scheduler:
                         f"pool of {self.alloc.pool_bytes / 1e9:.2f} GB") from None
                 break
             waiting.remove(i)
+            self._note("admit", i)
             covered = 0
             if cache is not None and r.prefix:
                 tier = self.tier_of(r)
@@ -271,10 +276,18 @@ class Scheduler:
         # the KV written so far (every token before this step's): what a migration copies
         old.mark_written(min((total - 1) * self.bpt, old.nbytes))
         before = alloc.migrated_bytes
-        blk = alloc.grow(i, total)
+        try:
+            blk = (alloc.grow(i, total) if self.migrate is None
+                   else alloc.grow(i, total, copy=self.migrate))
+        except OutOfMemory:
+            self._note("oom", i)
+            raise
+        if blk is not old:
+            self._note("migrate", i)
         return blk, (0 if blk is old else alloc.migrated_bytes - before)
 
     def preempt(self, i, r) -> None:
+        self._note("preempt", i)
         self.running.pop(i, None)
         self.alloc.release(i, preempted=True)
         r.epoch += 1
@@ -289,6 +302,7 @@ class Scheduler:
     def finish(self, i, r, t: float) -> float:
         """Complete request i at time t; seconds of its offers to the cache (a copy into the
         device tier and the demotions that make room)."""
+        self._note("finish", i)
         self.running.pop(i, None)
         blk = self.alloc.block(i)
         offered = 0.0
@@ -309,6 +323,11 @@ class Scheduler:
         r.finish = t
         self.done += 1
         return offered
+
+
+    def _note(self, what: str, i) -> None:
+        if self.log is not None:
+            self.log.append((what, i))
 
 
 DISTANCE = {"device": 0, "host": 1, "disk": 2, None: 3}   # a tier's distance from the device

@@ -1,0 +1,78 @@
+"""The real engine's decode step (allocator/serving/torch_engine.py) with the KV in contiguous
+blocks (attention reads views of each block) against pages (attention gathers through the block
+table): Qwen2.5-0.5B's published config, random weights, float32, on torch:cpu. The ratio
+paged / contiguous seconds goes to extra_info."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from allocator.config import AllocatorConfig  # noqa: E402
+from allocator.policies import make_allocator  # noqa: E402
+from allocator.serving import torch_engine as te  # noqa: E402
+
+BATCH, CONTEXT = 8, 256
+
+
+@pytest.fixture(scope="module")
+def model():
+    cfg, _ = te.load_config("qwen2.5-0.5b")
+    return te.build_model(cfg, "float32", "cpu", seed=0)
+
+
+def _step(model, policy):
+    """A decode step over BATCH requests holding CONTEXT tokens each (prefilled, untimed)."""
+    cfg = model.config
+    bpt = te.kv_bytes_per_token(cfg, "float32")
+    alloc = make_allocator(policy, "torch:cpu", 2 * BATCH * (CONTEXT + 64) * bpt, bpt,
+                           CONTEXT + 64, AllocatorConfig(background_refresh=False),
+                           page_tokens=16)
+    kv = te.BlockKV(alloc, cfg, torch.float32)
+    runner = te.Runner(model, kv)
+    ids = te.prompt_ids(BATCH, [CONTEXT] * BATCH, cfg.vocab_size, 0)
+    for i in range(BATCH):
+        alloc.reserve(i, CONTEXT, 32.0, 0.0)
+        runner.prefill(i, ids[i])
+    tokens = [int(t[-1]) for t in ids]
+    positions = [CONTEXT] * BATCH
+
+    def step():
+        runner.decode(tokens, positions, list(range(BATCH)))
+    return alloc, step
+
+
+@pytest.mark.parametrize("policy", ["odma", "paged"])
+def test_decode_step(benchmark, model, policy):
+    alloc, step = _step(model, policy)
+    try:
+        step()                                   # warm-up: first kernels, workspaces
+        benchmark.pedantic(step, rounds=5, iterations=1)
+        benchmark.extra_info["tokens_per_s"] = BATCH / benchmark.stats.stats.median
+    finally:
+        alloc.close()
+
+
+def test_paged_over_contiguous_decode_ratio(benchmark, model):
+    """Both layouts in one run, alternating, so that the machine's noise hits both alike."""
+    import time
+
+    steps = {p: _step(model, p) for p in ("odma", "paged")}
+    times = {p: [] for p in steps}
+    try:
+        for p in steps:
+            steps[p][1]()
+        for _ in range(5):
+            for p, (_, step) in steps.items():
+                t = time.perf_counter()
+                step()
+                times[p].append(time.perf_counter() - t)
+        ratio = float(np.median(times["paged"]) / np.median(times["odma"]))
+        benchmark.extra_info["paged_over_contiguous"] = ratio
+        benchmark.pedantic(lambda: ratio, rounds=1, iterations=1)
+    finally:
+        for alloc, _ in steps.values():
+            alloc.close()

@@ -1,0 +1,73 @@
+"""The real engine side by side: output tokens/s, TTFT and TPOT of each policy and of
+transformers' own continuous batching (hf), on slices of the shared traces, in one run.
+
+    .venv/bin/python bench/engine_table.py [--model qwen2.5-0.5b] [--requests 32]
+        [--prompt-cap 256] [--output-cap 32] [--max-batch 16] [--policy odma,static,paged,hf]
+
+Every run is one `odma-hw engine` computation (allocator/serving/torch_engine.compute), so a row
+reproduces with the flags printed under the table. All requests arrive at once (the traces'
+lengths, not their times): the engine is saturated, as a throughput comparison needs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+TRACES = Path(os.environ.get("ODMA_TRACES", Path(__file__).resolve().parents[1].parent /
+                             "shared" / "traces"))
+
+
+def lengths_only(name: str, folder: str) -> str:
+    """The trace without its arrival times (all at once), written into `folder`."""
+    import csv
+
+    out = Path(folder) / name
+    with open(TRACES / name) as f, open(out, "w") as g:
+        rows = csv.DictReader(f)
+        g.write("num_prefill_tokens,num_decode_tokens\n")
+        for r in rows:
+            g.write(f"{r['num_prefill_tokens']},{r['num_decode_tokens']}\n")
+    return str(out)
+
+
+def main(argv=None) -> None:
+    from odma_hw.cli import build_parser
+
+    from allocator.serving.torch_engine import compute
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="qwen2.5-0.5b")
+    p.add_argument("--requests", type=int, default=32)
+    p.add_argument("--prompt-cap", type=int, default=256)
+    p.add_argument("--output-cap", type=int, default=32)
+    p.add_argument("--max-batch", type=int, default=16)
+    p.add_argument("--kv-pool-mb", type=float, default=512.0)
+    p.add_argument("--policy", default="odma,static,paged,hf")
+    p.add_argument("--traces", default="azure_conv_2023.csv,sharegpt_8k.csv")
+    a = p.parse_args(argv)
+    print("| trace | policy | output tok/s | TTFT p50 | TPOT p50 | E2E p50 | mean batch | "
+          "preempt | migr |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    flags = (f"--model {a.model} --requests {a.requests} --prompt-cap {a.prompt_cap} "
+             f"--output-cap {a.output_cap} --max-batch {a.max_batch} --kv-pool-mb {a.kv_pool_mb:g}")
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in a.traces.split(","):
+            trace = lengths_only(name, tmp)
+            args = build_parser().parse_args(["engine", "--trace", trace, *flags.split(),
+                                              "--policy", a.policy, "--json"])
+            for r in compute(args)["results"]:
+                print(f"| {name} | {r['policy']} | {r['output_tps']:.1f} | "
+                      f"{r['ttft_s']['p50']:.2f} s | {r['tpot_s']['p50'] * 1e3:.0f} ms | "
+                      f"{r['e2e_s']['p50']:.1f} s | "
+                      f"{r['mean_batch'] if r['mean_batch'] is None else round(r['mean_batch'], 1)}"
+                      f" | {r['preemptions']} | {r['migrations']} |", flush=True)
+    print(f"\nodma-hw engine --trace TRACE (lengths only) {flags} --policy {a.policy}",
+          file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,189 @@
+"""`odma-hw engine`: a real transformer decoding from allocator blocks makes exactly the tokens
+transformers' generate() makes, for every policy, through migrations and preemptions; it never
+reads a released block; and it makes the same scheduling decisions `simulate` makes."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from allocator.serving import torch_engine as te  # noqa: E402
+from allocator.serving.engine import RequestState, ServingSetup, Simulation  # noqa: E402
+from allocator.serving.presets import ModelSpec, accelerator  # noqa: E402
+from allocator.serving.timing import MeasuredTiming  # noqa: E402
+from odma_hw.cli import main  # noqa: E402
+
+CONFIGS = ("tiny-llama", "tiny-qwen2", "tiny-mistral")
+POLICIES = ("odma", "static", "s3", "oracle", "paged")
+
+
+def requests(n=14, seed=1, vocab=512):
+    rng = np.random.default_rng(seed)
+    plen = rng.integers(3, 50, n)
+    gen = rng.integers(1, 45, n)
+    return te.prompt_ids(n, plen, vocab, seed), [int(g) for g in gen]
+
+
+@pytest.fixture(scope="module", params=CONFIGS)
+def tiny(request):
+    cfg, _ = te.load_config(request.param)
+    model = te.build_model(cfg, "float32", "cpu", seed=0)
+    prompts, gen = requests(vocab=cfg.vocab_size)
+    reference = []
+    for p, g in zip(prompts, gen):
+        out = model.generate(p[None], max_new_tokens=g, min_new_tokens=g, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)
+        reference.append(out[0, p.numel():].tolist())
+    return request.param, cfg, model, prompts, gen, reference
+
+
+def bytes_per_token(cfg, dtype_bytes=4):
+    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * dtype_bytes
+
+
+def test_every_policy_makes_generates_tokens_through_migrations_and_preemptions(tiny):
+    name, cfg, model, prompts, gen, reference = tiny
+    seen = {"migrate": 0, "preempt": 0}
+    for policy in POLICIES:
+        log: list = []
+        # a pool of ~3 longest requests: blocks migrate and requests are preempted
+        run = te.serve(model, prompts, gen, np.zeros(len(gen)), policy,
+                       pool_bytes=300 * bytes_per_token(cfg), max_model_len=100, max_batch=8,
+                       page_tokens=4, predictor="noisy", log=log)
+        assert run["tokens"] == reference, f"{name} {policy}"
+        assert all(r.finish is not None and r.made == g for r, g in zip(run["requests"], gen))
+        for what, _ in log:
+            seen[what] = seen.get(what, 0) + 1
+    assert seen["migrate"] > 0 and seen["preempt"] > 0      # both paths were exercised
+
+
+def test_the_check_agrees_with_the_reference_and_catches_a_corrupted_kv(tiny, monkeypatch):
+    name, cfg, model, prompts, gen, _ = tiny
+    run = te.serve(model, prompts, gen, np.zeros(len(gen)), "odma",
+                   pool_bytes=300 * bytes_per_token(cfg), max_model_len=100, max_batch=8,
+                   keep_logits=True)
+    ok = te.check_tokens(model, prompts, run["tokens"], run["top_logits"])
+    assert ok["mismatches"] == 0 and ok["max_logit_diff"] < 1e-3
+    # a KV store that loses the first token's keys: the logits must give it away
+    real_read = te.BlockKV.read
+
+    def forgetful(self, i, layer, ctx):
+        k, v = real_read(self, i, layer, ctx)
+        k = k.clone()
+        k[:, 0] = 0.0
+        return k, v
+
+    monkeypatch.setattr(te.BlockKV, "read", forgetful)
+    bad = te.serve(model, prompts, gen, np.zeros(len(gen)), "odma",
+                   pool_bytes=300 * bytes_per_token(cfg), max_model_len=100, max_batch=8,
+                   keep_logits=True)
+    assert te.check_tokens(model, prompts, bad["tokens"], bad["top_logits"])["mismatches"] > 0
+
+
+def test_no_kv_is_read_from_a_released_or_stale_block(tiny, monkeypatch):
+    name, cfg, model, prompts, gen, _ = tiny
+    real_read, real_view = te.BlockKV.read, te.BlockKV._view
+    reads = []
+
+    def checked_view(self, i, blk=None):
+        view = real_view(self, i, blk)
+        held = self._views[i][0]
+        assert held.live or blk is not None, f"request {i} read a released block"
+        if blk is None:
+            assert held is self.alloc.block(i), f"request {i} read a block it migrated from"
+        return view
+
+    def checked_read(self, i, layer, ctx):
+        assert self.alloc.block(i).live
+        reads.append(i)
+        return real_read(self, i, layer, ctx)
+
+    monkeypatch.setattr(te.BlockKV, "_view", checked_view)
+    monkeypatch.setattr(te.BlockKV, "read", checked_read)
+    for policy in ("odma", "s3", "paged"):
+        te.serve(model, prompts, gen, np.zeros(len(gen)), policy,
+                 pool_bytes=300 * bytes_per_token(cfg), max_model_len=100, max_batch=8,
+                 page_tokens=4, predictor="noisy")
+    assert reads
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_the_engine_and_simulate_make_the_same_decisions(policy):
+    """One Scheduler: admissions, migrations, preemptions and completions in the same order for
+    the same requests, pool and model shape (bf16 KV: the simulation's bytes per token)."""
+    cfg, _ = te.load_config("tiny-qwen2")
+    model = te.build_model(cfg, "bfloat16", "cpu", seed=0)
+    prompts, gen = requests(n=24, seed=3, vocab=cfg.vocab_size)
+    pool = 280 * bytes_per_token(cfg, 2)
+    engine_log: list = []
+    te.serve(model, prompts, gen, np.zeros(len(gen)), policy, pool_bytes=pool,
+             max_model_len=100, max_batch=8, page_tokens=4, predictor="noisy",
+             log=engine_log)
+    spec = ModelSpec("tiny-qwen2", cfg.num_hidden_layers, cfg.hidden_size,
+                     cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                     cfg.intermediate_size, cfg.vocab_size, False, cfg.max_position_embeddings,
+                     qkv_bias=True)
+    timing = MeasuredTiming("flat", {4096: 100.0}, 100.0, 50.0)
+    setup = ServingSetup(spec, accelerator("mlu370-x4"), timing, max_model_len=100,
+                         max_batch=8, kv_pool_gb=pool / 1e9, page_tokens=4, predictor="noisy")
+    reqs = [RequestState(i, int(p.numel()), g, 0.0) for i, (p, g) in enumerate(zip(prompts, gen))]
+    sim = Simulation(setup, policy, reqs)
+    sim.sched.log = sim_log = []
+    try:
+        sim.run()
+    finally:
+        sim.alloc.close()
+    assert engine_log == sim_log
+    if policy in ("s3", "paged"):                  # the pool is small enough to preempt
+        assert any(w == "preempt" for w, _ in sim_log)
+
+
+def test_engine_command_prints_the_contract_json(tmp_path, capsys):
+    trace = tmp_path / "t.csv"
+    trace.write_text("num_prefill_tokens,num_decode_tokens\n" +
+                     "".join(f"{5 + 3 * i},{2 + i}\n" for i in range(6)))
+    assert main(["engine", "--trace", str(trace), "--model", "tiny-llama", "--kv-pool-mb",
+                 "0.05", "--policy", "odma,paged", "--check", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["schema"] == "odma-hw.engine/1"
+    for r in doc["results"]:
+        for key in ("policy", "requests", "completed", "output_tokens", "output_tps",
+                    "requests_per_s", "ttft_s", "tpot_s", "e2e_s", "preemptions", "migrations",
+                    "utilization", "mean_batch", "peak_batch", "mismatches", "max_logit_diff",
+                    "near_ties", "settings"):
+            assert key in r
+        assert r["completed"] == 6 and r["mismatches"] == 0
+        assert r["output_tokens"] == sum(2 + i for i in range(6))
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "gpt-5"], "shipped config"),
+    (["--kv-pool-mb", "0.0001"], "less than one"),
+    (["--device", "torch:cuda:7"], "cuda"),
+    (["--max-model-len", "10"], "--clip"),
+    (["--policy", "odma,magic"], "unknown policy"),
+])
+def test_bad_engine_input_is_one_line_before_any_weights(tmp_path, capsys, monkeypatch, args,
+                                                         message):
+    built = []
+    monkeypatch.setattr(te, "build_model", lambda *a, **k: built.append(a))
+    trace = tmp_path / "t.csv"
+    trace.write_text("num_prefill_tokens,num_decode_tokens\n20,10\n")
+    assert main(["engine", "--trace", str(trace), *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1
+    assert not built
+
+
+def test_an_unsupported_architecture_is_refused(tmp_path, capsys):
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"model_type": "gpt2", "n_layer": 2}))
+    trace = tmp_path / "t.csv"
+    trace.write_text("num_prefill_tokens,num_decode_tokens\n20,10\n")
+    assert main(["engine", "--trace", str(trace), "--model", str(cfg)]) == 2
+    assert "not supported" in capsys.readouterr().err
