@@ -36,7 +36,7 @@ def _step(model, policy):
     ids = te.prompt_ids(BATCH, [CONTEXT] * BATCH, cfg.vocab_size, 0)
     for i in range(BATCH):
         alloc.reserve(i, CONTEXT, 32.0, 0.0)
-        runner.prefill(i, ids[i])
+    runner.prefill(list(enumerate(ids)))
     tokens = [int(t[-1]) for t in ids]
     positions = [CONTEXT] * BATCH
 

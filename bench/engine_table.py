@@ -37,7 +37,7 @@ def lengths_only(name: str, folder: str) -> str:
 def main(argv=None) -> None:
     from odma_hw.cli import build_parser
 
-    from allocator.serving.torch_engine import compute
+    from allocator.serving.engine_cli import compute
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="qwen2.5-0.5b")

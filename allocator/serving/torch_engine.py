@@ -15,9 +15,10 @@ engine and `simulate` can differ in time, never in decisions.
   the engine's own copy (the allocator's grow(copy=...)). The paged policy keeps page p of the
   pool as [layers, 2, kv_heads, page_tokens, head_dim]; attention gathers a request's pages
   through its block table.
-- Steps: a prefill runs each admitted request's prompt (and, after a preemption, the tokens it
-  had made) causally; a decode step runs one token of every running request through the batch's
-  projections and MLPs together and each request's attention over its own KV.
+- Steps: a prefill runs the prompts of the requests admitted together (and, after a preemption,
+  the tokens each had made) through the projections and MLPs as one packed batch, each with its
+  own causal attention; a decode step runs one token of every running request through the
+  batch's projections and MLPs together and each request's attention over its own KV.
 - The check (check=True): transformers' own forward of the model over each request's prompt and
   the tokens the engine made (what generate() runs, one position at a time), compared position
   by position: the chosen token, and the logits at the engine's top LOGIT_CHECK_K tokens. Where
@@ -29,85 +30,33 @@ from __future__ import annotations
 
 import collections
 import importlib
-import json
 import math
-import os
 import pathlib
 import time
 
 import numpy as np
 
-from odma_hw.errors import BadArgument, DeviceUnavailable
+from odma_hw.errors import BadArgument
 
 from allocator.config import AllocatorConfig
 from allocator.errors import OutOfMemory
 from allocator.policies import make_allocator
 from allocator.predictors import make_predictor
 from allocator.serving.engine import RequestState
+from allocator.serving.models import (DTYPES, head_dim, kv_bytes_per_token,  # noqa: F401
+                                      load_config, need, shipped_configs)
 from allocator.serving.scheduler import Scheduler
 
-try:
-    import torch
-except ImportError:  # the rest of the package works without torch
-    torch = None
+import torch  # noqa: E402  (only `odma-hw engine` imports this module: torch is its to need)
 
-SUPPORTED = ("llama", "qwen2", "mistral")
-CONFIG_DIR = pathlib.Path(__file__).with_name("configs")
-DTYPES = ("float32", "bfloat16")
 LOGIT_CHECK_K = 16
-CONTIGUOUS = ("odma", "static", "s3", "oracle")
-
-
-def shipped_configs() -> list[str]:
-    return sorted(p.stem for p in CONFIG_DIR.glob("*.json"))
-
-
-def _need(module: str, extra: str):
-    try:
-        return importlib.import_module(module)
-    except ImportError as exc:
-        raise DeviceUnavailable(f"the engine needs {module} ({exc}); pip install "
-                                f"'odma-hw[{extra}]'") from None
-
-
-# ----------------------------------------------------------------------------- the model
-def load_config(spec: str):
-    """(transformers config, directory of weights or None) for a config file, a directory with
-    config.json, or a shipped config's name."""
-    transformers = _need("transformers", "engine")
-    weights = None
-    path = pathlib.Path(spec)
-    if spec in shipped_configs():
-        path = CONFIG_DIR / f"{spec}.json"
-    elif path.is_dir():
-        weights = path if any(path.glob("*.safetensors")) else None
-        path = path / "config.json"
-    elif not path.is_file():
-        raise BadArgument(f"--model {spec!r} is neither a config.json, a directory holding one, "
-                          f"nor a shipped config ({', '.join(shipped_configs())})")
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except (OSError, ValueError) as exc:
-        raise BadArgument(f"cannot read {path}: {getattr(exc, 'strerror', None) or exc}") \
-            from None
-    if not isinstance(data, dict) or data.get("model_type") not in SUPPORTED:
-        kind = data.get("model_type") if isinstance(data, dict) else None
-        raise BadArgument(f"{path}: model_type {kind!r} is not supported (the engine runs "
-                          f"{', '.join(SUPPORTED)})")
-    data = dict(data)
-    try:
-        config = transformers.AutoConfig.for_model(data.pop("model_type"), **data)
-    except (TypeError, ValueError) as exc:
-        raise BadArgument(f"{path}: not a valid config: {exc}") from None
-    return config, weights
 
 
 def build_model(config, dtype: str = "float32", device: str = "cpu", seed: int = 0,
                 weights=None):
     """The model of `config` on a torch device, in eval mode: the weights in `weights` (a
     directory of safetensors), else random ones from `seed`."""
-    transformers = _need("transformers", "engine")
+    transformers = need("transformers", "engine")
     if dtype not in DTYPES:
         raise BadArgument(f"unknown dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
     torch.manual_seed(seed)
@@ -137,7 +86,7 @@ def _spread(model, seed: int) -> None:
 
 
 def _load_weights(model, folder) -> None:
-    safetensors = _need("safetensors.torch", "engine")
+    safetensors = need("safetensors.torch", "engine")
     state = {}
     for f in sorted(pathlib.Path(folder).glob("*.safetensors")):
         state.update(safetensors.load_file(str(f)))
@@ -149,17 +98,6 @@ def _load_weights(model, folder) -> None:
         first = str(exc).strip().splitlines()
         raise BadArgument(f"the weights in {folder} do not match the config: "
                           f"{' '.join(first[:2])[:300]}") from None
-
-
-# ----------------------------------------------------------------------------- KV in blocks
-def head_dim(config) -> int:
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-
-
-def kv_bytes_per_token(config, dtype: str) -> int:
-    """K and V of every layer and KV head, in the model's dtype."""
-    return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim(config) * \
-        (4 if dtype == "float32" else 2)
 
 
 class BlockKV:
@@ -258,21 +196,30 @@ class Runner:
         return q, k, v
 
     @torch.no_grad()
-    def prefill(self, i, ids):
-        """Run request i's tokens `ids` causally from position 0, storing their KV; the logits
-        of the last position."""
-        x = self.inner.embed_tokens(ids[None].to(self.device))
-        pos = torch.arange(ids.numel(), device=self.device)[None]
+    def prefill(self, batch):
+        """Run each (request i, its tokens ids) of `batch` causally from position 0, storing
+        their KV; the logits of each one's last position, (len(batch), vocab). The tokens of the
+        whole batch go through the projections and MLPs together (one wide matrix product, as
+        a serving engine packs a prefill); attention stays within each request."""
+        sizes = [ids.numel() for _, ids in batch]
+        ends = np.cumsum(sizes)
+        x = self.inner.embed_tokens(torch.cat([ids for _, ids in batch])[None].to(self.device))
+        pos = torch.cat([torch.arange(n) for n in sizes])[None].to(self.device)
         cos, sin = self.inner.rotary_emb(x, pos)
+        sdpa = torch.nn.functional.scaled_dot_product_attention
         for layer, block in enumerate(self.inner.layers):
             attn = block.self_attn
             q, k, v = self._qkv(attn, block.input_layernorm(x), cos, sin)
-            self.kv.write(i, layer, 0, k[0], v[0])
-            o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                                                 enable_gqa=True)
-            x = x + attn.o_proj(o.transpose(1, 2).reshape(1, ids.numel(), -1))
+            out = []
+            for (i, _), end, n in zip(batch, ends, sizes):
+                part = slice(end - n, end)
+                self.kv.write(i, layer, 0, k[0, :, part], v[0, :, part])
+                out.append(sdpa(q[:, :, part], k[:, :, part], v[:, :, part], is_causal=True,
+                                enable_gqa=True))
+            o = torch.cat(out, dim=2)
+            x = x + attn.o_proj(o.transpose(1, 2).reshape(1, int(ends[-1]), -1))
             x = x + block.mlp(block.post_attention_layernorm(x))
-        return self.model.lm_head(self.inner.norm(x[:, -1]))[0]
+        return self.model.lm_head(self.inner.norm(x[0, ends - 1]))
 
     @torch.no_grad()
     def decode(self, ids, positions, requests):
@@ -369,10 +316,12 @@ def _serve(model, alloc, reqs, prompts, policy, bpt, max_batch, max_prefill, pre
         if waiting and len(running) < max_batch:
             admitted, _ = sched.admit(now())
             if admitted:
-                for i, r, held, _ in admitted:
-                    # a rerun's context is its prompt and every token it made
-                    ids = torch.cat([prompts[i], torch.tensor(made[i], dtype=prompts[i].dtype)])
-                    emit(i, runner.prefill(i, ids))
+                # a rerun's context is its prompt and every token it made
+                batch = [(i, torch.cat([prompts[i], torch.tensor(made[i],
+                                                                 dtype=prompts[i].dtype)]))
+                         for i, _, _, _ in admitted]
+                for (i, _), logits in zip(batch, runner.prefill(batch)):
+                    emit(i, logits)
                 t = now()
                 for i, r, _, _ in admitted:
                     if sched.made_first_token(i, r, t):
@@ -495,190 +444,3 @@ def summarise(policy: str, run: dict, setup: dict) -> dict:
         "mismatches": None, "near_ties": None, "max_logit_diff": None,
         "settings": setup,
     }
-
-
-# ----------------------------------------------------------------------------- the command
-SCHEMA = "odma-hw.engine/1"
-ROW_KEYS = ("policy",)                  # what tells apart the rows of one run
-
-
-def prepare(args):
-    """Every check before the weights are built: (config, weights, trace lengths, arrivals,
-    KV pool bytes, max model length)."""
-    import types
-
-    from allocator.serving.cli import parse_policies
-    from allocator.serving.engine import fit_lengths
-    from allocator.pool import resolve_device
-    from allocator.trace import arrival_seconds, load_trace
-
-    if torch is None:
-        raise DeviceUnavailable("the engine needs torch; pip install 'odma-hw[torch]'")
-    policies = parse_policies(args.policy, extra=("hf",))
-    config, weights = load_config(args.model)
-    trace = load_trace(args.trace)
-    if args.requests is not None:
-        trace = trace.head(args.requests)
-    if args.prompt_cap:
-        trace.prompt = np.minimum(trace.prompt, args.prompt_cap)
-    if args.output_cap:
-        trace.generated = np.minimum(trace.generated, args.output_cap)
-    limit = types.SimpleNamespace(name=args.model, max_context=config.max_position_embeddings)
-    prompt, gen, keep, cap, dropped, truncated = fit_lengths(trace, args.max_model_len, limit,
-                                                             args.clip)
-    arrivals = arrival_seconds(trace, args.rate, 1.0, args.seed)[keep]
-    dev, owned = resolve_device(args.device)
-    try:
-        if not hasattr(dev, "dev"):
-            raise BadArgument(f"the engine runs on a torch device (torch:cpu, torch:cuda:0, ...), "
-                              f"not {args.device}")
-        device = str(dev.dev)
-    finally:
-        if owned:
-            dev.close()
-    bpt = kv_bytes_per_token(config, args.dtype)
-    pool = int(args.kv_pool_mb * 1e6)
-    if pool < cap * bpt:
-        raise BadArgument(f"--kv-pool-mb {args.kv_pool_mb:g} holds {pool // bpt} tokens of KV, "
-                          f"less than one {cap}-token request ({bpt} B per token)")
-    return dict(policies=policies, config=config, weights=weights, prompt=prompt, gen=gen,
-                arrivals=arrivals, pool=pool, max_model_len=cap, device=device,
-                dropped=dropped, truncated=truncated, trace=trace.name, bpt=bpt)
-
-
-def compute(args, results: list | None = None) -> dict:
-    """The JSON object of `odma-hw engine` (results appended to `results` as they finish, so
-    that a caller keeps them when a later policy is interrupted)."""
-    from allocator.serving.hf_reference import run_hf
-
-    p = prepare(args)
-    model = build_model(p["config"], args.dtype, p["device"], args.seed, p["weights"])
-    prompts = prompt_ids(len(p["prompt"]), p["prompt"], p["config"].vocab_size, args.seed)
-    settings = {"model": args.model, "dtype": args.dtype, "device": f"torch:{p['device']}",
-                "trace": p["trace"], "max_model_len": p["max_model_len"],
-                "max_batch": args.max_batch, "kv_pool_mb": args.kv_pool_mb,
-                "kv_bytes_per_token": p["bpt"], "page_tokens": args.page_tokens,
-                "predictor": args.predictor, "seed": args.seed, "rate": args.rate,
-                "dropped_over_length": p["dropped"], "truncated_over_length": p["truncated"],
-                "weights": "loaded" if p["weights"] else "random (seeded)"}
-    out = [] if results is None else results
-    # untimed: torch's one-time start-up (thread pools, first kernels) must not land on the
-    # first policy measured
-    serve(model, prompts[:2], [2, 2], [0.0, 0.0], "static", pool_bytes=p["pool"],
-          max_model_len=p["max_model_len"])
-    for policy in p["policies"]:
-        show = progress(policy) if not args.json or os.isatty(2) else None
-        if policy == "hf":
-            run = run_hf(model, prompts, p["gen"], p["arrivals"], max_batch=args.max_batch,
-                         progress=show)
-        else:
-            run = serve(model, prompts, p["gen"], p["arrivals"], policy, pool_bytes=p["pool"],
-                        max_model_len=p["max_model_len"], max_batch=args.max_batch,
-                        page_tokens=args.page_tokens, predictor=args.predictor,
-                        seed=args.seed, progress=show, keep_logits=args.check)
-        r = summarise(policy, run, settings)
-        if args.check:
-            r.update(check_tokens(model, prompts, run["tokens"], run["top_logits"]))
-        out.append(r)
-    return {"schema": SCHEMA, "results": out}
-
-
-def progress(policy: str, stream=None):
-    """A progress callback: one line per second on stderr."""
-    import sys
-
-    stream = stream or sys.stderr
-
-    def show(done, total, seconds):
-        stream.write(f"engine {policy}: {done}/{total} requests, {seconds:.0f} s\n")
-        stream.flush()
-    return show
-
-
-def format_table(results: list[dict]) -> str:
-    def ms(x):
-        return "-" if x is None else (f"{x * 1e3:.0f}ms" if x < 1 else f"{x:.2f}s")
-    head = ["policy", "tok/s", "req/s", "TTFT p50", "TPOT p50", "E2E p50", "util", "batch",
-            "preempt", "migr", "mismatches"]
-    rows = [head]
-    for r in results:
-        rows.append([r["policy"], f"{r['output_tps']:.1f}", f"{r['requests_per_s']:.2f}",
-                     ms(r["ttft_s"]["p50"]), ms(r["tpot_s"]["p50"]), ms(r["e2e_s"]["p50"]),
-                     "-" if r["utilization"] is None else f"{r['utilization']:.3f}",
-                     "-" if r["mean_batch"] is None else f"{r['mean_batch']:.1f}",
-                     str(r["preemptions"]), str(r["migrations"]),
-                     "-" if r["mismatches"] is None else
-                     f"{r['mismatches']} ({r['near_ties']} near ties)"])
-    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
-    lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows]
-    lines.insert(1, "-" * len(lines[0]))
-    s = results[0]["settings"]
-    lines.append(f"{s['trace']}: {results[0]['requests']} requests; {s['model']} {s['dtype']} "
-                 f"({s['weights']} weights) on {s['device']}; KV pool {s['kv_pool_mb']:g} MB; "
-                 f"max model len {s['max_model_len']}")
-    return "\n".join(lines)
-
-
-def _cmd(args) -> int:
-    from odma_hw import jsonout
-
-    results: list = []
-    try:
-        compute(args, results)
-    except KeyboardInterrupt:
-        if results:
-            print(jsonout.dumps({"schema": SCHEMA, "results": results}, indent=1) if args.json
-                  else format_table(results))
-        raise
-    print(jsonout.dumps({"schema": SCHEMA, "results": results}, indent=1) if args.json
-          else format_table(results))
-    return 0
-
-
-def register(subparsers) -> None:
-    from odma_hw import argtypes
-
-    p = subparsers.add_parser(
-        "engine", help="serve a trace with a real transformer whose KV lives in allocator blocks",
-        description="A Hugging Face decoder (Llama, Qwen2, Mistral) serves a request trace on a "
-                    "torch device with continuous batching; every KV byte lives in blocks of the "
-                    "policy's allocator and every scheduling decision is the one `simulate` "
-                    "makes. --check compares every token and its logits with transformers' own "
-                    "forward of the model.")
-    p.add_argument("--trace", required=True, metavar="CSV",
-                   help="request trace: num_prefill_tokens, num_decode_tokens [, arrived_at]")
-    p.add_argument("--requests", type=argtypes.positive_int, default=None, metavar="N",
-                   help="serve only the first N requests")
-    p.add_argument("--rate", type=argtypes.positive_float, default=None, metavar="R",
-                   help="Poisson arrivals at R requests/s (default: the trace's arrived_at, "
-                        "else all at once)")
-    p.add_argument("--model", default="tiny-qwen2", metavar="CONFIG",
-                   help=f"a config.json, a directory with config.json (and safetensors weights), "
-                        f"or one of {', '.join(shipped_configs())} (default tiny-qwen2)")
-    p.add_argument("--dtype", default="float32", choices=list(DTYPES))
-    p.add_argument("--device", default="torch:cpu", metavar="torch:DEV",
-                   help="the torch device (default torch:cpu)")
-    p.add_argument("--policy", default="odma,static,paged", metavar="P[,P...]",
-                   help="allocation policies (odma, static, s3, oracle, paged; default "
-                        "odma,static,paged)")
-    p.add_argument("--predictor", default="online", help="ODMA's length predictor")
-    p.add_argument("--max-batch", type=argtypes.positive_int, default=32,
-                   help="running requests at most (default 32)")
-    p.add_argument("--kv-pool-mb", type=argtypes.positive_float, default=64.0,
-                   help="KV pool in MB (default 64; small forces preemption)")
-    p.add_argument("--page-tokens", type=argtypes.positive_int, default=16,
-                   help="tokens per page of the paged policy (default 16)")
-    p.add_argument("--max-model-len", type=argtypes.positive_int, default=None,
-                   help="longest request (default: the trace's longest)")
-    p.add_argument("--clip", action="store_true",
-                   help="drop prompts longer than --max-model-len and cut generations there")
-    p.add_argument("--prompt-cap", type=argtypes.positive_int, default=None, metavar="N",
-                   help="cut every prompt to at most N tokens (a CPU run takes minutes, not hours)")
-    p.add_argument("--output-cap", type=argtypes.positive_int, default=None, metavar="N",
-                   help="make at most N tokens per request")
-    p.add_argument("--seed", type=argtypes.seed, default=0,
-                   help="seeds the weights, the prompts and the arrivals (default 0)")
-    p.add_argument("--check", action="store_true",
-                   help="compare every token and its logits with transformers' forward")
-    p.add_argument("--json", action="store_true", help=f"print one JSON object ({SCHEMA})")
-    p.set_defaults(func=_cmd)

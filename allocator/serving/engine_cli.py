@@ -1,0 +1,201 @@
+"""`odma-hw engine`: the command line of the real engine (allocator/serving/torch_engine.py).
+Everything it can refuse, it refuses before any weights are built; torch and transformers are
+imported only when an engine runs, so the rest of the tool works without them."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import numpy as np
+
+from odma_hw.errors import BadArgument, DeviceUnavailable
+
+from allocator.serving.models import DTYPES, kv_bytes_per_token, load_config, shipped_configs
+
+SCHEMA = "odma-hw.engine/1"
+ROW_KEYS = ("policy",)                  # what tells apart the rows of one run
+
+
+def prepare(args):
+    """Every check before the weights are built: (config, weights, trace lengths, arrivals,
+    KV pool bytes, max model length)."""
+    import types
+
+    from allocator.serving.cli import parse_policies
+    from allocator.serving.engine import fit_lengths
+    from allocator.pool import resolve_device
+    from allocator.trace import arrival_seconds, load_trace
+
+    if importlib.util.find_spec("torch") is None:
+        raise DeviceUnavailable("the engine needs torch; pip install 'odma-hw[torch]'")
+    policies = parse_policies(args.policy, extra=("hf",))
+    config, weights = load_config(args.model)
+    trace = load_trace(args.trace)
+    if args.requests is not None:
+        trace = trace.head(args.requests)
+    if args.prompt_cap:
+        trace.prompt = np.minimum(trace.prompt, args.prompt_cap)
+    if args.output_cap:
+        trace.generated = np.minimum(trace.generated, args.output_cap)
+    limit = types.SimpleNamespace(name=args.model, max_context=config.max_position_embeddings)
+    prompt, gen, keep, cap, dropped, truncated = fit_lengths(trace, args.max_model_len, limit,
+                                                             args.clip)
+    arrivals = arrival_seconds(trace, args.rate, 1.0, args.seed)[keep]
+    dev, owned = resolve_device(args.device)
+    try:
+        if not hasattr(dev, "dev"):
+            raise BadArgument(f"the engine runs on a torch device (torch:cpu, torch:cuda:0, ...), "
+                              f"not {args.device}")
+        device = str(dev.dev)
+    finally:
+        if owned:
+            dev.close()
+    bpt = kv_bytes_per_token(config, args.dtype)
+    pool = int(args.kv_pool_mb * 1e6)
+    if pool < cap * bpt:
+        raise BadArgument(f"--kv-pool-mb {args.kv_pool_mb:g} holds {pool // bpt} tokens of KV, "
+                          f"less than one {cap}-token request ({bpt} B per token)")
+    return dict(policies=policies, config=config, weights=weights, prompt=prompt, gen=gen,
+                arrivals=arrivals, pool=pool, max_model_len=cap, device=device,
+                dropped=dropped, truncated=truncated, trace=trace.name, bpt=bpt)
+
+
+def compute(args, results: list | None = None) -> dict:
+    """The JSON object of `odma-hw engine` (results appended to `results` as they finish, so
+    that a caller keeps them when a later policy is interrupted)."""
+    p = prepare(args)
+    from allocator.serving.hf_reference import run_hf
+    from allocator.serving.torch_engine import (build_model, check_tokens, prompt_ids, serve,
+                                                summarise)
+
+    model = build_model(p["config"], args.dtype, p["device"], args.seed, p["weights"])
+    prompts = prompt_ids(len(p["prompt"]), p["prompt"], p["config"].vocab_size, args.seed)
+    settings = {"model": args.model, "dtype": args.dtype, "device": f"torch:{p['device']}",
+                "trace": p["trace"], "max_model_len": p["max_model_len"],
+                "max_batch": args.max_batch, "kv_pool_mb": args.kv_pool_mb,
+                "kv_bytes_per_token": p["bpt"], "page_tokens": args.page_tokens,
+                "predictor": args.predictor, "seed": args.seed, "rate": args.rate,
+                "dropped_over_length": p["dropped"], "truncated_over_length": p["truncated"],
+                "weights": "loaded" if p["weights"] else "random (seeded)"}
+    out = [] if results is None else results
+    # untimed: torch's one-time start-up (thread pools, first kernels) must not land on the
+    # first policy measured
+    serve(model, prompts[:2], [2, 2], [0.0, 0.0], "static", pool_bytes=p["pool"],
+          max_model_len=p["max_model_len"])
+    for policy in p["policies"]:
+        show = progress(policy) if not args.json or os.isatty(2) else None
+        if policy == "hf":
+            run = run_hf(model, prompts, p["gen"], p["arrivals"], max_batch=args.max_batch,
+                         progress=show)
+        else:
+            run = serve(model, prompts, p["gen"], p["arrivals"], policy, pool_bytes=p["pool"],
+                        max_model_len=p["max_model_len"], max_batch=args.max_batch,
+                        page_tokens=args.page_tokens, predictor=args.predictor,
+                        seed=args.seed, progress=show, keep_logits=args.check)
+        r = summarise(policy, run, settings)
+        if args.check:
+            r.update(check_tokens(model, prompts, run["tokens"], run["top_logits"]))
+        out.append(r)
+    return {"schema": SCHEMA, "results": out}
+
+
+def progress(policy: str, stream=None):
+    """A progress callback: one line per second on stderr."""
+    import sys
+
+    stream = stream or sys.stderr
+
+    def show(done, total, seconds):
+        stream.write(f"engine {policy}: {done}/{total} requests, {seconds:.0f} s\n")
+        stream.flush()
+    return show
+
+
+def format_table(results: list[dict]) -> str:
+    def ms(x):
+        return "-" if x is None else (f"{x * 1e3:.0f}ms" if x < 1 else f"{x:.2f}s")
+    head = ["policy", "tok/s", "req/s", "TTFT p50", "TPOT p50", "E2E p50", "util", "batch",
+            "preempt", "migr", "mismatches"]
+    rows = [head]
+    for r in results:
+        rows.append([r["policy"], f"{r['output_tps']:.1f}", f"{r['requests_per_s']:.2f}",
+                     ms(r["ttft_s"]["p50"]), ms(r["tpot_s"]["p50"]), ms(r["e2e_s"]["p50"]),
+                     "-" if r["utilization"] is None else f"{r['utilization']:.3f}",
+                     "-" if r["mean_batch"] is None else f"{r['mean_batch']:.1f}",
+                     str(r["preemptions"]), str(r["migrations"]),
+                     "-" if r["mismatches"] is None else
+                     f"{r['mismatches']} ({r['near_ties']} near ties)"])
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows]
+    lines.insert(1, "-" * len(lines[0]))
+    s = results[0]["settings"]
+    lines.append(f"{s['trace']}: {results[0]['requests']} requests; {s['model']} {s['dtype']} "
+                 f"({s['weights']} weights) on {s['device']}; KV pool {s['kv_pool_mb']:g} MB; "
+                 f"max model len {s['max_model_len']}")
+    return "\n".join(lines)
+
+
+def _cmd(args) -> int:
+    from odma_hw import jsonout
+
+    results: list = []
+    try:
+        compute(args, results)
+    except KeyboardInterrupt:
+        if results:
+            print(jsonout.dumps({"schema": SCHEMA, "results": results}, indent=1) if args.json
+                  else format_table(results))
+        raise
+    print(jsonout.dumps({"schema": SCHEMA, "results": results}, indent=1) if args.json
+          else format_table(results))
+    return 0
+
+
+def register(subparsers) -> None:
+    from odma_hw import argtypes
+
+    p = subparsers.add_parser(
+        "engine", help="serve a trace with a real transformer whose KV lives in allocator blocks",
+        description="A Hugging Face decoder (Llama, Qwen2, Mistral) serves a request trace on a "
+                    "torch device with continuous batching; every KV byte lives in blocks of the "
+                    "policy's allocator and every scheduling decision is the one `simulate` "
+                    "makes. --check compares every token and its logits with transformers' own "
+                    "forward of the model.")
+    p.add_argument("--trace", required=True, metavar="CSV",
+                   help="request trace: num_prefill_tokens, num_decode_tokens [, arrived_at]")
+    p.add_argument("--requests", type=argtypes.positive_int, default=None, metavar="N",
+                   help="serve only the first N requests")
+    p.add_argument("--rate", type=argtypes.positive_float, default=None, metavar="R",
+                   help="Poisson arrivals at R requests/s (default: the trace's arrived_at, "
+                        "else all at once)")
+    p.add_argument("--model", default="tiny-qwen2", metavar="CONFIG",
+                   help=f"a config.json, a directory with config.json (and safetensors weights), "
+                        f"or one of {', '.join(shipped_configs())} (default tiny-qwen2)")
+    p.add_argument("--dtype", default="float32", choices=list(DTYPES))
+    p.add_argument("--device", default="torch:cpu", metavar="torch:DEV",
+                   help="the torch device (default torch:cpu)")
+    p.add_argument("--policy", default="odma,static,paged", metavar="P[,P...]",
+                   help="allocation policies (odma, static, s3, oracle, paged; default "
+                        "odma,static,paged)")
+    p.add_argument("--predictor", default="online", help="ODMA's length predictor")
+    p.add_argument("--max-batch", type=argtypes.positive_int, default=32,
+                   help="running requests at most (default 32)")
+    p.add_argument("--kv-pool-mb", type=argtypes.positive_float, default=64.0,
+                   help="KV pool in MB (default 64; small forces preemption)")
+    p.add_argument("--page-tokens", type=argtypes.positive_int, default=16,
+                   help="tokens per page of the paged policy (default 16)")
+    p.add_argument("--max-model-len", type=argtypes.positive_int, default=None,
+                   help="longest request (default: the trace's longest)")
+    p.add_argument("--clip", action="store_true",
+                   help="drop prompts longer than --max-model-len and cut generations there")
+    p.add_argument("--prompt-cap", type=argtypes.positive_int, default=None, metavar="N",
+                   help="cut every prompt to at most N tokens (a CPU run takes minutes, not hours)")
+    p.add_argument("--output-cap", type=argtypes.positive_int, default=None, metavar="N",
+                   help="make at most N tokens per request")
+    p.add_argument("--seed", type=argtypes.seed, default=0,
+                   help="seeds the weights, the prompts and the arrivals (default 0)")
+    p.add_argument("--check", action="store_true",
+                   help="compare every token and its logits with transformers' forward")
+    p.add_argument("--json", action="store_true", help=f"print one JSON object ({SCHEMA})")
+    p.set_defaults(func=_cmd)
