@@ -13,6 +13,7 @@ pytest.importorskip("transformers")
 
 from allocator.config import AllocatorConfig  # noqa: E402
 from allocator.policies import make_allocator  # noqa: E402
+from allocator.serving import models  # noqa: E402
 from allocator.serving import torch_engine as te  # noqa: E402
 
 BATCH, CONTEXT = 8, 256
@@ -20,14 +21,14 @@ BATCH, CONTEXT = 8, 256
 
 @pytest.fixture(scope="module")
 def model():
-    cfg, _ = te.load_config("qwen2.5-0.5b")
+    cfg, _ = models.load_config("qwen2.5-0.5b")
     return te.build_model(cfg, "float32", "cpu", seed=0)
 
 
 def _step(model, policy):
     """A decode step over BATCH requests holding CONTEXT tokens each (prefilled, untimed)."""
     cfg = model.config
-    bpt = te.kv_bytes_per_token(cfg, "float32")
+    bpt = models.kv_bytes_per_token(cfg, "float32")
     alloc = make_allocator(policy, "torch:cpu", 2 * BATCH * (CONTEXT + 64) * bpt, bpt,
                            CONTEXT + 64, AllocatorConfig(background_refresh=False),
                            page_tokens=16)

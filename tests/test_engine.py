@@ -12,6 +12,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+from allocator.serving import models  # noqa: E402
 from allocator.serving import torch_engine as te  # noqa: E402
 from allocator.serving.engine import RequestState, ServingSetup, Simulation  # noqa: E402
 from allocator.serving.presets import ModelSpec, accelerator  # noqa: E402
@@ -31,7 +32,7 @@ def requests(n=14, seed=1, vocab=512):
 
 @pytest.fixture(scope="module", params=CONFIGS)
 def tiny(request):
-    cfg, _ = te.load_config(request.param)
+    cfg, _ = models.load_config(request.param)
     model = te.build_model(cfg, "float32", "cpu", seed=0)
     prompts, gen = requests(vocab=cfg.vocab_size)
     reference = []
@@ -116,7 +117,7 @@ def test_no_kv_is_read_from_a_released_or_stale_block(tiny, monkeypatch):
 def test_the_engine_and_simulate_make_the_same_decisions(policy):
     """One Scheduler: admissions, migrations, preemptions and completions in the same order for
     the same requests, pool and model shape (bf16 KV: the simulation's bytes per token)."""
-    cfg, _ = te.load_config("tiny-qwen2")
+    cfg, _ = models.load_config("tiny-qwen2")
     model = te.build_model(cfg, "bfloat16", "cpu", seed=0)
     prompts, gen = requests(n=24, seed=3, vocab=cfg.vocab_size)
     pool = 280 * bytes_per_token(cfg, 2)

@@ -14,6 +14,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from allocator.serving import hf_reference as hf  # noqa: E402
+from allocator.serving import models  # noqa: E402
 from allocator.serving import torch_engine as te  # noqa: E402
 from odma_hw.errors import DeviceUnavailable  # noqa: E402
 
@@ -43,7 +44,7 @@ def reference(model, prompts, gen):
 
 @pytest.fixture(scope="module", params=("tiny-qwen2", "tiny-llama"))
 def tiny(request):
-    cfg, _ = te.load_config(request.param)
+    cfg, _ = models.load_config(request.param)
     model = te.build_model(cfg, "float32", "cpu", seed=0)
     prompts, gen = requests(vocab=cfg.vocab_size)
     return request.param, model, prompts, gen, reference(model, prompts, gen)
@@ -84,7 +85,7 @@ def test_at_most_max_batch_requests_run_at_once(tiny):
 
 @needs_memory_probe
 def test_the_models_end_of_sequence_token_does_not_stop_a_request():
-    cfg, _ = te.load_config("tiny-qwen2")
+    cfg, _ = models.load_config("tiny-qwen2")
     model = te.build_model(cfg, "float32", "cpu", seed=0)
     prompts, _ = requests(n=2, vocab=cfg.vocab_size)
     gen = [24, 24]
@@ -99,7 +100,7 @@ def test_the_models_end_of_sequence_token_does_not_stop_a_request():
 
 
 def test_no_continuous_batching_is_device_unavailable(monkeypatch):
-    cfg, _ = te.load_config("tiny-llama")
+    cfg, _ = models.load_config("tiny-llama")
     model = te.build_model(cfg, "float32", "cpu", seed=0)
     prompts, gen = requests(n=1, vocab=cfg.vocab_size)
     # the module as imported now: transformers may have swapped its sys.modules entry meanwhile
@@ -110,7 +111,7 @@ def test_no_continuous_batching_is_device_unavailable(monkeypatch):
 
 @pytest.mark.skipif(not ON_CPU, reason="with an accelerator transformers reads its memory")
 def test_no_psutil_on_cpu_is_device_unavailable(monkeypatch):
-    cfg, _ = te.load_config("tiny-llama")
+    cfg, _ = models.load_config("tiny-llama")
     model = te.build_model(cfg, "float32", "cpu", seed=0)
     prompts, gen = requests(n=1, vocab=cfg.vocab_size)
     monkeypatch.setitem(sys.modules, "psutil", None)

@@ -43,8 +43,7 @@ from allocator.errors import OutOfMemory
 from allocator.policies import make_allocator
 from allocator.predictors import make_predictor
 from allocator.serving.engine import RequestState
-from allocator.serving.models import (DTYPES, head_dim, kv_bytes_per_token,  # noqa: F401
-                                      load_config, need, shipped_configs)
+from allocator.serving.models import DTYPES, head_dim, kv_bytes_per_token, need
 from allocator.serving.scheduler import Scheduler
 
 import torch  # noqa: E402  (only `odma-hw engine` imports this module: torch is its to need)
@@ -195,6 +194,19 @@ class Runner:
         q, k = self.rope(q, k, cos, sin)
         return q, k, v
 
+    def _layers(self, x, positions, attend):
+        """The decoder stack over hidden states x (batch, tokens, hidden) at `positions`, each
+        layer's attention by attend(layer, q, k, v) -> (batch, heads, tokens, head_dim); the
+        final norm's output."""
+        cos, sin = self.inner.rotary_emb(x, positions)
+        for layer, block in enumerate(self.inner.layers):
+            attn = block.self_attn
+            q, k, v = self._qkv(attn, block.input_layernorm(x), cos, sin)
+            o = attend(layer, q, k, v)
+            x = x + attn.o_proj(o.transpose(1, 2).reshape(x.shape[0], x.shape[1], -1))
+            x = x + block.mlp(block.post_attention_layernorm(x))
+        return self.inner.norm(x)
+
     @torch.no_grad()
     def prefill(self, batch):
         """Run each (request i, its tokens ids) of `batch` causally from position 0, storing
@@ -205,44 +217,35 @@ class Runner:
         ends = np.cumsum(sizes)
         x = self.inner.embed_tokens(torch.cat([ids for _, ids in batch])[None].to(self.device))
         pos = torch.cat([torch.arange(n) for n in sizes])[None].to(self.device)
-        cos, sin = self.inner.rotary_emb(x, pos)
         sdpa = torch.nn.functional.scaled_dot_product_attention
-        for layer, block in enumerate(self.inner.layers):
-            attn = block.self_attn
-            q, k, v = self._qkv(attn, block.input_layernorm(x), cos, sin)
+
+        def attend(layer, q, k, v):
             out = []
             for (i, _), end, n in zip(batch, ends, sizes):
                 part = slice(end - n, end)
                 self.kv.write(i, layer, 0, k[0, :, part], v[0, :, part])
                 out.append(sdpa(q[:, :, part], k[:, :, part], v[:, :, part], is_causal=True,
                                 enable_gqa=True))
-            o = torch.cat(out, dim=2)
-            x = x + attn.o_proj(o.transpose(1, 2).reshape(1, int(ends[-1]), -1))
-            x = x + block.mlp(block.post_attention_layernorm(x))
-        return self.model.lm_head(self.inner.norm(x[0, ends - 1]))
+            return torch.cat(out, dim=2)
+        return self.model.lm_head(self._layers(x, pos, attend)[0, ends - 1])
 
     @torch.no_grad()
     def decode(self, ids, positions, requests):
         """One decode step: token ids[b] of request requests[b] at position positions[b];
         (batch, vocab) logits."""
-        b = len(requests)
         x = self.inner.embed_tokens(torch.as_tensor(ids, device=self.device)[:, None])
         pos = torch.as_tensor(positions, device=self.device)[:, None]
-        cos, sin = self.inner.rotary_emb(x, pos)
         sdpa = torch.nn.functional.scaled_dot_product_attention
-        for layer, block in enumerate(self.inner.layers):
-            attn = block.self_attn
-            q, k, v = self._qkv(attn, block.input_layernorm(x), cos, sin)
+
+        def attend(layer, q, k, v):
             out = []
             for j, i in enumerate(requests):
                 p = positions[j]
                 self.kv.write(i, layer, p, k[j], v[j])
                 K, V = self.kv.read(i, layer, p + 1)
                 out.append(sdpa(q[j:j + 1], K[None], V[None], enable_gqa=True))
-            o = torch.cat(out).transpose(1, 2).reshape(b, 1, -1)
-            x = x + attn.o_proj(o)
-            x = x + block.mlp(block.post_attention_layernorm(x))
-        return self.model.lm_head(self.inner.norm(x[:, 0]))
+            return torch.cat(out)
+        return self.model.lm_head(self._layers(x, pos, attend)[:, 0])
 
 
 # ----------------------------------------------------------------------------- serving
