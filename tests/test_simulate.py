@@ -581,3 +581,30 @@ def test_every_plot_panel_labels_its_y_axis(tmp_path, monkeypatch):
     plot(results, str(tmp_path / "p.png"))
     labels = [ax.get_ylabel() for ax in saved[-1].axes]
     assert labels == ["output tokens/s", "running requests", "share of KV pool reserved"]
+
+
+def test_progress_counts_every_replica_and_prints_at_most_once_a_second(mlu_timing, monkeypatch):
+    from allocator.serving import engine as engine_mod
+
+    trace = synthetic(400, seed=4)
+    calls = []
+    r = run_policy(trace, arrival_seconds(trace, 20.0), "odma", setup(mlu_timing), replicas=4,
+                   progress=lambda done, total, t: calls.append((done, total)))
+    assert r["completed"] == 400
+    assert {total for _, total in calls} == {400}              # one count over the replicas
+    done = [d for d, _ in calls]
+    assert done == sorted(done) and done[-1] >= 300            # the last replica counts on
+    clock = iter(range(10 ** 6))                               # 0.4 s per call below
+    lines = []
+
+    class Stream:
+        def write(self, text):
+            lines.append(text)
+
+        def flush(self):
+            pass
+    monkeypatch.setattr(engine_mod.time, "perf_counter", lambda: next(clock) * 0.4)
+    show = engine_mod.progress_printer("odma", Stream())
+    for i in range(10):
+        show(i, 10, 0.0)                                       # 4 s of calls 0.4 s apart
+    assert 3 <= len(lines) <= 4

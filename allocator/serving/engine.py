@@ -363,7 +363,6 @@ class Simulation:
         peak_batch = 0
         series: list = []
         next_sample = now
-        last_progress = time.perf_counter()
         pool = alloc.pool_bytes
         while sched.done < n:
             while next_arrival < n and reqs[order[next_arrival]].arrival <= now:
@@ -394,8 +393,7 @@ class Simulation:
             if now >= next_sample:
                 next_sample = now + max(1e-3, (now - t_first) / SERIES_POINTS)
                 series.append((now, len(running), len(waiting), alloc.reserved_bytes / pool))
-            if self.progress and time.perf_counter() - last_progress > 1.0:
-                last_progress = time.perf_counter()
+            if self.progress:
                 self.progress(sched.done, n, now)
         tot["peak_batch"] = peak_batch
         tot["floor_margin_min"] = self.timer.floor_margin
@@ -452,12 +450,15 @@ def run_policy(trace, arrivals, policy: str, setup: ServingSetup, *, replicas: i
         idx = np.arange(rep, len(keep), replicas)
         if not len(idx):
             continue
+        # one count over the replicas, which run one after the other
+        show = progress and (lambda done, _, t, base=len(all_reqs):
+                             progress(base + done, len(keep), t))
         named = trace.prefix_id is not None and prefix is not None
         reqs = [RequestState(int(j), int(prompt[j]), int(gen[j]), float(arrive[j]),
                              *((trace.prefix_id[keep[j]], int(trace.prefix_tokens[keep[j]]),
                                 trace.offer_id[keep[j]]) if named else ()))
                 for j in idx]
-        sim = Simulation(setup, policy, reqs, progress, prefix)
+        sim = Simulation(setup, policy, reqs, show, prefix)
         try:
             results.append(sim.run())
         finally:
@@ -474,10 +475,16 @@ def run_policy(trace, arrivals, policy: str, setup: ServingSetup, *, replicas: i
 
 
 def progress_printer(label: str, stream=sys.stderr):
-    """A progress callback: one line per second on stderr."""
-    start = time.perf_counter()
+    """A progress callback that prints a line at most once a second on stderr, however often
+    it is called."""
+    start = last = time.perf_counter()
 
     def show(done, total, sim_time):
+        nonlocal last
+        now = time.perf_counter()
+        if now - last < 1.0:
+            return
+        last = now
         stream.write(f"simulate {label}: {done}/{total} requests, {sim_time:.0f} s simulated, "
                      f"{time.perf_counter() - start:.0f} s\n")
         stream.flush()
