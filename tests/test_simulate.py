@@ -3,6 +3,7 @@ for every policy, and bad input refused before any work."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -608,3 +609,38 @@ def test_progress_counts_every_replica_and_prints_at_most_once_a_second(mlu_timi
     for i in range(10):
         show(i, 10, 0.0)                                       # 4 s of calls 0.4 s apart
     assert 3 <= len(lines) <= 4
+
+
+# ------------------------------------------------------------------------ any model
+QWEN_7B_CONFIG = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
+                  "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
+                  "num_attention_heads": 28, "num_key_value_heads": 4, "vocab_size": 152064,
+                  "max_position_embeddings": 131072, "tie_word_embeddings": False}
+
+
+def test_a_hugging_face_config_is_the_model_its_preset_describes(tmp_path):
+    from allocator.serving.presets import model_spec
+
+    folder = tmp_path / "DeepSeek-R1-Distill-Qwen-7B"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(QWEN_7B_CONFIG))
+    spec = model_spec(str(folder))
+    assert spec.name == "DeepSeek-R1-Distill-Qwen-7B"
+    assert dataclasses.replace(spec, name=QWEN.name) == QWEN
+    assert model_spec("qwen2.5-0.5b").kv_bytes_per_token == 2 * 24 * 2 * 64 * 2
+
+
+def test_simulate_runs_a_config_file_and_refuses_a_bad_one_in_one_line(small_trace, tmp_path,
+                                                                      capsys):
+    good = tmp_path / "m.json"
+    good.write_text(json.dumps(QWEN_7B_CONFIG))
+    assert main(["simulate", "--trace", small_trace, "--model", str(good), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["results"][0]["settings"]["model"] == "m"
+    for change, message in (({"num_key_value_heads": -4}, "'num_key_value_heads' must be"),
+                            ({"num_local_experts": 8}, "mixture of experts"),
+                            ({"hidden_size": None}, "missing 'hidden_size'")):
+        bad = tmp_path / "bad.json"
+        bad.write_text(json.dumps({**QWEN_7B_CONFIG, **change}))
+        assert main(["simulate", "--trace", small_trace, "--model", str(bad)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert message in err and str(bad) in err and len(err.splitlines()) == 1

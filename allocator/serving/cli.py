@@ -301,8 +301,10 @@ def register(subparsers) -> None:
     p.add_argument("--policy", default=DEFAULT_POLICIES, metavar="P[,P...]",
                    help=f"policies among {', '.join(POLICIES)} (default {DEFAULT_POLICIES})")
     add_policy_arguments(p)
-    p.add_argument("--model", default="deepseek-r1-distill-qwen-7b",
-                   choices=list(MODELS) + list(MODEL_ALIASES))
+    p.add_argument("--model", default="deepseek-r1-distill-qwen-7b", metavar="MODEL",
+                   help=f"a preset ({', '.join(list(MODELS) + list(MODEL_ALIASES))}), a Hugging "
+                        f"Face config.json or a directory holding one (default "
+                        f"deepseek-r1-distill-qwen-7b)")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "int8"],
                    help="weight type (KV stays bf16)")
     p.add_argument("--device", default="mlu370-x4", choices=list(ACCELERATORS),

@@ -95,11 +95,74 @@ MODEL_ALIASES = {"qwen2.5-7b": "deepseek-r1-distill-qwen-7b"}
 
 
 def model_spec(name: str) -> ModelSpec:
+    """A preset by name, or the model a Hugging Face config.json describes: a file, a directory
+    holding one, or a config the engine ships (allocator/serving/configs)."""
+    import os
+
+    from allocator.serving.models import CONFIG_DIR, shipped_configs
+
     key = MODEL_ALIASES.get(name, name)
-    if key not in MODELS:
-        raise BadArgument(f"unknown model {name!r}: expected one of "
-                          f"{', '.join(list(MODELS) + list(MODEL_ALIASES))}")
-    return MODELS[key]
+    if key in MODELS:
+        return MODELS[key]
+    if name in shipped_configs():
+        return model_from_config(CONFIG_DIR / f"{name}.json")
+    if os.path.isdir(name):
+        return model_from_config(os.path.join(name, "config.json"))
+    if os.path.isfile(name):
+        return model_from_config(name)
+    raise BadArgument(f"unknown --model {name!r}: expected a Hugging Face config.json (or a "
+                      f"directory holding one), a shipped config ({', '.join(shipped_configs())})"
+                      f" or one of {', '.join(list(MODELS) + list(MODEL_ALIASES))}")
+
+
+# a mixture of experts reads only its routed experts per token: the dense streaming model above
+# would overstate its weights per step, so such configs are refused rather than misjudged
+MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
+
+
+def model_from_config(path) -> ModelSpec:
+    """The ModelSpec of a decoder-only Hugging Face config.json (Llama, Qwen2, Mistral and the
+    like: grouped-query attention and a gated MLP). BadArgument naming the file and the key for
+    a missing or bad field, or a mixture of experts."""
+    import json
+    import math
+    import os
+
+    try:
+        with open(path) as f:
+            c = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise BadArgument(f"cannot read model config {path}: "
+                          f"{getattr(exc, 'strerror', None) or exc}") from None
+    if not isinstance(c, dict):
+        raise BadArgument(f"{path} is not a config.json (a JSON object)")
+    moe = [k for k in MOE_KEYS if c.get(k)]
+    if moe:
+        raise BadArgument(f"{path}: a mixture of experts ({moe[0]}) is not supported: the "
+                          f"simulation streams every weight each step")
+
+    def field(key, default=None):
+        v = c.get(key, default)
+        if v is None:
+            raise BadArgument(f"{path}: missing {key!r}")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
+                or v <= 0 or v != int(v):
+            raise BadArgument(f"{path}: {key!r} must be a positive integer, got {v!r}")
+        return int(v)
+
+    heads = field("num_attention_heads")
+    hidden = field("hidden_size")
+    head_dim = field("head_dim", c.get("head_dim") or hidden // heads)
+    stem = os.path.splitext(os.path.basename(path))[0]
+    folder = os.path.basename(os.path.dirname(os.path.abspath(path)))
+    return ModelSpec(
+        name=c.get("_name_or_path") or (folder if stem == "config" else stem),
+        layers=field("num_hidden_layers"), hidden=hidden, heads=heads,
+        kv_heads=field("num_key_value_heads", heads), head_dim=head_dim,
+        ffn=field("intermediate_size"), vocab=field("vocab_size"),
+        tied_embeddings=bool(c.get("tie_word_embeddings", False)),
+        max_context=field("max_position_embeddings"),
+        qkv_bias=bool(c.get("attention_bias", c.get("model_type") == "qwen2")))
 
 
 @dataclasses.dataclass(frozen=True)
