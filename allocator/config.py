@@ -1,4 +1,5 @@
-"""AllocatorConfig: the knobs of the allocation policies and of the contiguous pool."""
+"""AllocatorConfig: the knobs of the allocation policies, the contiguous pool and the extent
+allocator."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from allocator.buckets import MAX_BUCKETS, RULES
 
 BASES = ("generated", "footprint")
 COLD_STARTS = ("prediction", "equal-width")
+EXTENT_GROWTHS = ("generated", "footprint", "knee")
+EXTENT_FIRSTS = ("prediction", "knee")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,11 +38,25 @@ class AllocatorConfig:
     #                                 prediction itself and refresh early (buckets.refresh_due),
     #                                 or by "equal-width" bounds up to max_tokens (the paper)
     copy_chunk_bytes: int | None = None  # migration copy chunk (None: one streaming copy)
+    # the extent allocator (allocator/extent.py): a request outgrowing its extents gets a new one
+    # of max(knee, growth) tokens; growth is the tokens generated so far ("generated": the
+    # generated part doubles), all the tokens it holds ("footprint") or nothing ("knee": every
+    # growth extent is knee-sized)
+    extent_growth: str = "generated"
+    # the first extent: ODMA's block for the prediction ("prediction"), or the prompt and one
+    # knee of room ("knee"): memory committed as tokens come, in runs long enough to stream
+    extent_first: str = "knee"
+    extent_max: int = 4             # extents a request holds; growth past them merges (migrates)
+    extent_knee_tokens: int | None = None  # the knee: None is token_alignment (nothing known of
+    #                                 the device); the serving simulation derives it from its
+    #                                 timing source when left None
+    extent_knee_fraction: float = 0.9  # the knee is the shortest run that reads at this
+    #                                    fraction of the sequential bandwidth
 
     def __post_init__(self):
         for name in ("alpha", "tau", "migration_penalty"):
             amount(name, getattr(self, name), allow_inf=name == "tau")
-        for name in ("n_buckets", "window", "refresh_every", "token_alignment"):
+        for name in ("n_buckets", "window", "refresh_every", "token_alignment", "extent_max"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise BadArgument(f"{name} must be a positive integer, got {v!r}")
@@ -48,7 +65,9 @@ class AllocatorConfig:
                               f"{self.n_buckets}")
         for name, value, allowed in (("bucket basis", self.bucket_basis, BASES),
                                      ("bucket rule", self.bucket_rule, RULES),
-                                     ("cold start", self.cold_start, COLD_STARTS)):
+                                     ("cold start", self.cold_start, COLD_STARTS),
+                                     ("extent growth", self.extent_growth, EXTENT_GROWTHS),
+                                     ("extent first", self.extent_first, EXTENT_FIRSTS)):
             if value not in allowed:
                 raise BadArgument(f"unknown {name} {value!r}: expected one of {', '.join(allowed)}")
         a = self.byte_alignment
@@ -66,6 +85,12 @@ class AllocatorConfig:
         c = self.copy_chunk_bytes
         if c is not None and (not isinstance(c, int) or isinstance(c, bool) or c <= 0):
             raise BadArgument(f"copy_chunk_bytes must be a positive integer, got {c!r}")
+        k = self.extent_knee_tokens
+        if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k <= 0):
+            raise BadArgument(f"extent_knee_tokens must be a positive integer or None, got {k!r}")
+        if not 0 < amount("extent_knee_fraction", self.extent_knee_fraction) <= 1:
+            raise BadArgument(f"extent_knee_fraction must be in (0, 1], got "
+                              f"{self.extent_knee_fraction!r}")
         if not 0 <= amount("large_share", self.large_share) < 1:
             raise BadArgument(f"large_share must be in [0, 1), got {self.large_share!r}")
 

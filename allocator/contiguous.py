@@ -7,7 +7,8 @@
 The pool owns the device memory, the free space (TLSF, headers kept outside the pool: one
 regular region, and a large region when the policy reserves a share of the pool for it: regular
 blocks never use it, large blocks use it first and the regular region after), the statistics and
-migration. A policy (allocator/policies.py: ODMA, static, S3, oracle) only answers how many tokens
+migration; RegionPool holds these, shared with the extent allocator (allocator/extent.py), and
+ContiguousPool adds the one-range-per-request protocol. A policy (allocator/policies.py: ODMA, static, S3, oracle) only answers how many tokens
 a block gets and whether it goes large; it never sees an offset.
 
 Migration (grow past capacity): allocate the new block, mark the old one migrating (new writes
@@ -102,13 +103,22 @@ class Block(PinnedBlock):
         return dev.tensor(owner._pool.buffer, self.offset, n).view(dtype).view(shape)
 
 
-class ContiguousPool(PoolAllocator):
-    """KV allocator with one contiguous block per request, sized by `policy`.
+class RegionPool(PoolAllocator):
+    """The half of an allocator that places a request's KV in byte ranges of TLSF regions, sized
+    in tokens by a policy, and moves a request by migration.
 
-    Invariants (check() verifies them): every live block is a used range of its region and no
-    two overlap (TLSF's heap walk); used ranges = live blocks + running migration targets;
-    prompt <= tokens <= capacity; capacity * bytes_per_token <= nbytes = block_bytes(capacity);
-    offsets are multiples of the alignment; the regions tile the pool.
+    The pool: one regular region, and a large region when the policy reserves a share of the
+    pool for it (regular ranges never use it, large ranges use it first and the regular region
+    after). Invariants every such pool keeps (_used_ranges and _require_tiling check them): the
+    regions tile the pool, TLSF's own invariants hold in each, every range is a multiple of the
+    alignment at an aligned offset.
+
+    A migration moves a request from its live block to a block already taken: the old block is
+    marked migrating (new writes refused, reads allowed), the writes already running land first,
+    the bytes written so far (the high-water mark) are stream-copied with the device's copy
+    outside the lock, then, under the lock, the request's reference switches to the new block,
+    the old one goes stale, its readers finish and its ranges are freed. If the copy fails the new
+    block is freed and the old one stays live (MigrationFailed).
     """
 
     def __init__(self, device, pool_bytes: int, bytes_per_token: int, max_tokens: int, policy, *,
@@ -161,26 +171,166 @@ class ContiguousPool(PoolAllocator):
                 return off, region
         return -1, None
 
-    # -- the protocol ------------------------------------------------------------------------------
-    def reserve(self, request_id, prompt_tokens: int, predicted_tokens: float = 0.0,
-                uncertainty: float = 0.0) -> Block:
-        """Reserve a contiguous block for a new request. Raises DuplicateRequest, BadArgument,
-        OutOfMemory, AllocatorClosed (nothing changed)."""
+    def _place(self, prompt_tokens, predicted_tokens, uncertainty):
+        """reserve()'s arguments checked, and the policy's placement: (prompt, Placement).
+        Raises BadArgument (nothing changed)."""
         prompt = count("prompt_tokens", prompt_tokens)
         predicted = amount("predicted_tokens", predicted_tokens)
         u = amount("uncertainty", uncertainty, allow_inf=True)
         if prompt >= self.max_tokens:
             raise BadArgument(f"prompt of {prompt} tokens leaves no room under max_tokens="
                               f"{self.max_tokens}")
-        p = self.policy.place(prompt, predicted, u)
+        return prompt, self.policy.place(prompt, predicted, u)
+
+    # -- migration -----------------------------------------------------------------------------
+    def _begin_migration(self, old) -> int:
+        """Lock held, the new block taken: refuse new writes to `old` and let the running ones
+        land; the number of bytes the migration copies (old's high-water mark)."""
+        old._state = MIGRATING        # refuse new writes ...
+        self._migrating += 1
+        self._wait_idle(old, writers_only=True)   # ... and let the running ones land first
+        return min(old.written, old.nbytes)
+
+    def _finish_migration(self, old, new, n: int, copy=None):
+        """Lock not held: copy old's first `n` bytes into `new` (or call copy(old, new)), switch
+        the request to `new` and free `old`; returns `new`. On a failed copy `new` is freed, `old`
+        is live again and MigrationFailed is raised."""
+        request_id = old.request_id
+        seconds = 0.0
+        try:
+            if copy is not None and self._pool.holds_bytes:
+                start = time.perf_counter()
+                copy(old, new)
+                seconds = time.perf_counter() - start
+            elif n and self._pool.holds_bytes:
+                for at, length, pos in old._spans(0, n):
+                    seconds += self._pool.copy(new.offset + pos, at, length)
+        except BaseException as exc:
+            with self._lock:
+                self._free_storage(new)
+                self._migrating -= 1
+                old._state = LIVE
+                self._cond.notify_all()
+            if isinstance(exc, Exception):
+                raise MigrationFailed(f"migration of request {request_id!r} failed, it stays in "
+                                      f"its old block: {exc}") from exc
+            raise
+        with self._lock:
+            new.written = n
+            self._live[request_id] = new      # the atomic switch
+            old._state = DEAD
+            self._wait_idle(old)              # readers of the old bytes finish first
+            self._free_storage(old)
+            self._migrating -= 1
+            self.migrations += 1
+            self.migrated_bytes += n
+            self.migration_seconds += seconds
+            self._cond.notify_all()
+        return new
+
+    def _completed(self, blk, total: int) -> None:
+        self.policy.learn(blk, total)
+
+    # -- bucket control ----------------------------------------------------------------------------
+    def refresh_buckets(self) -> tuple[int, ...] | None:
+        """Recompute the bucket bounds now (synchronously); returns them."""
+        return None if self.buckets is None else self.buckets.refresh()
+
+    # -- reporting ---------------------------------------------------------------------------------
+    @property
+    def reserved_bytes(self) -> int:
+        return sum(r.used_bytes for r in self._regions)
+
+    def fragmentation(self) -> float:
+        """External fragmentation of the whole pool: 1 - largest free range / free bytes."""
+        with self._lock:
+            free = sum(r.free_bytes for r in self._regions)
+            if not free:
+                return 0.0
+            return 1.0 - max(r.largest_free() for r in self._regions) / free
+
+    def _pool_stats(self, blocks) -> dict:
+        """Lock held: the keys of stats() that describe the pool and the live `blocks`."""
+        reserved = sum(r.used_bytes for r in self._regions)
+        free = sum(r.free_bytes for r in self._regions)
+        largest = max(r.largest_free() for r in self._regions)
+        used_tokens = sum(b.tokens for b in blocks)
+        cap_tokens = sum(b.capacity_tokens for b in blocks)
+        per_bucket: dict = {}
+        for b in blocks:
+            per_bucket[b.bucket] = per_bucket.get(b.bucket, 0) + 1
+        return {
+            "policy": self.name,
+            "device": None if self.device is None else self.device.spec,
+            "pool_bytes": self.pool_bytes,
+            "reserved_bytes": reserved,
+            "free_bytes": free,
+            "used_bytes": used_tokens * self.bytes_per_token,
+            "live_blocks": len(blocks),
+            "live_tokens": used_tokens,
+            "live_capacity_tokens": cap_tokens,
+            "occupancy": reserved / self.pool_bytes,
+            "live_utilization": used_tokens / cap_tokens if cap_tokens else None,
+            "largest_free_bytes": largest,
+            "external_fragmentation": 1.0 - largest / free if free else 0.0,
+            "large_region_bytes": 0 if self._large is None else self._large.size,
+            "large_region_used_bytes": 0 if self._large is None else self._large.used_bytes,
+            "blocks_per_bucket": {str(k): v for k, v in per_bucket.items()},
+        }
+
+    def _migration_stats(self) -> dict:
+        """Lock held: the migration counters of stats()."""
+        return {"migrations": self.migrations, "migrated_bytes": self.migrated_bytes,
+                "migration_seconds": self.migration_seconds}
+
+    def _bucket_stats(self, out: dict) -> dict:
+        """`out` with the policy's bucket bounds and refresh count, when it has buckets."""
+        buckets = self.buckets
+        if buckets is not None:
+            out["bucket_bounds"] = list(buckets.bounds)
+            out["bucket_refreshes"] = buckets.refreshes
+        return out
+
+    def _used_ranges(self) -> dict:
+        """Lock held: check TLSF's invariants in every region; {offset: (size, region)} of every
+        used range."""
+        for r in self._regions:
+            r.check()
+        used = {}
+        for r in self._regions:
+            for off, size in r.used_ranges():
+                used[off] = (size, r)
+        return used
+
+    def _require_tiling(self) -> None:
+        """Lock held: the regions tile the pool (InvariantBroken if not)."""
+        require(sum(r.used_bytes + r.free_bytes for r in self._regions) == self.pool_bytes,
+                "the regions do not tile the pool")
+
+    def _before_close(self) -> None:
+        self.policy.close()
+
+
+class ContiguousPool(RegionPool):
+    """KV allocator with one contiguous block per request, sized by `policy`.
+
+    Invariants (check() verifies them): every live block is a used range of its region and no
+    two overlap (TLSF's heap walk); used ranges = live blocks + running migration targets;
+    prompt <= tokens <= capacity; capacity * bytes_per_token <= nbytes = block_bytes(capacity);
+    offsets are multiples of the alignment; the regions tile the pool.
+    """
+
+    # -- the protocol ------------------------------------------------------------------------------
+    def reserve(self, request_id, prompt_tokens: int, predicted_tokens: float = 0.0,
+                uncertainty: float = 0.0) -> Block:
+        """Reserve a contiguous block for a new request. Raises DuplicateRequest, BadArgument,
+        OutOfMemory, AllocatorClosed (nothing changed)."""
+        prompt, p = self._place(prompt_tokens, predicted_tokens, uncertainty)
         nbytes = (p.capacity * self.bytes_per_token + self._mask) & ~self._mask
         with self._lock:
             self._check_new(request_id)
-            for region in (self._large_first if p.large else self._regular_only):
-                off = region.alloc(nbytes)
-                if off >= 0:
-                    break
-            else:
+            off, region = self._take(nbytes, p.large)
+            if off < 0:
                 self.reserve_failures += 1
                 raise OutOfMemory(f"no free range of {nbytes} B for request {request_id!r} "
                                   f"({p.capacity} tokens, bucket {p.bucket})")
@@ -213,113 +363,22 @@ class ContiguousPool(PoolAllocator):
                                   f"block and no free range of {nbytes} B is left")
             new = Block(self, request_id, off, nbytes, p.capacity, p.bucket, region,
                         old.prompt_tokens, total, old.predicted)
-            old._state = MIGRATING        # refuse new writes ...
-            self._migrating += 1
-            self._wait_idle(old, writers_only=True)   # ... and let the running ones land first
-            n = min(old.written, old.nbytes)
-        seconds = 0.0
-        try:
-            if copy is not None and self._pool.holds_bytes:
-                start = time.perf_counter()
-                copy(old, new)
-                seconds = time.perf_counter() - start
-            elif n and self._pool.holds_bytes:
-                seconds = self._pool.copy(off, old.offset, n)
-        except BaseException as exc:
-            with self._lock:
-                region.free(off)
-                self._migrating -= 1
-                old._state = LIVE
-                self._cond.notify_all()
-            if isinstance(exc, Exception):
-                raise MigrationFailed(f"migration of request {request_id!r} failed, it stays in "
-                                      f"its old block: {exc}") from exc
-            raise
-        with self._lock:
-            new.written = n
-            self._live[request_id] = new      # the atomic switch
-            old._state = DEAD
-            self._wait_idle(old)              # readers of the old bytes finish first
-            old._region.free(old.offset)
-            self._migrating -= 1
-            self.migrations += 1
-            self.migrated_bytes += n
-            self.migration_seconds += seconds
-            self._cond.notify_all()
-        return new
+            n = self._begin_migration(old)
+        return self._finish_migration(old, new, n, copy)
 
     def _free_storage(self, blk: Block) -> None:
         blk._region.free(blk.offset)
 
-    def _completed(self, blk: Block, total: int) -> None:
-        self.policy.learn(blk, total)
-
-    # -- bucket control ----------------------------------------------------------------------------
-    def refresh_buckets(self) -> tuple[int, ...] | None:
-        """Recompute the bucket bounds now (synchronously); returns them."""
-        return None if self.buckets is None else self.buckets.refresh()
-
-    # -- reporting ---------------------------------------------------------------------------------
-    @property
-    def reserved_bytes(self) -> int:
-        return sum(r.used_bytes for r in self._regions)
-
-    def fragmentation(self) -> float:
-        """External fragmentation of the whole pool: 1 - largest free range / free bytes."""
-        with self._lock:
-            free = sum(r.free_bytes for r in self._regions)
-            if not free:
-                return 0.0
-            return 1.0 - max(r.largest_free() for r in self._regions) / free
-
     def stats(self) -> dict:
         with self._lock:
-            blocks = list(self._live.values())
-            reserved = sum(r.used_bytes for r in self._regions)
-            free = sum(r.free_bytes for r in self._regions)
-            largest = max(r.largest_free() for r in self._regions)
-            used_tokens = sum(b.tokens for b in blocks)
-            cap_tokens = sum(b.capacity_tokens for b in blocks)
-            per_bucket: dict = {}
-            for b in blocks:
-                per_bucket[b.bucket] = per_bucket.get(b.bucket, 0) + 1
-            out = {
-                "policy": self.name,
-                "device": None if self.device is None else self.device.spec,
-                "pool_bytes": self.pool_bytes,
-                "reserved_bytes": reserved,
-                "free_bytes": free,
-                "used_bytes": used_tokens * self.bytes_per_token,
-                "live_blocks": len(blocks),
-                "live_tokens": used_tokens,
-                "live_capacity_tokens": cap_tokens,
-                "occupancy": reserved / self.pool_bytes,
-                "live_utilization": used_tokens / cap_tokens if cap_tokens else None,
-                "largest_free_bytes": largest,
-                "external_fragmentation": 1.0 - largest / free if free else 0.0,
-                "large_region_bytes": 0 if self._large is None else self._large.size,
-                "large_region_used_bytes": 0 if self._large is None else self._large.used_bytes,
-                "blocks_per_bucket": {str(k): v for k, v in per_bucket.items()},
-                "migrations": self.migrations,
-                "migrated_bytes": self.migrated_bytes,
-                "migration_seconds": self.migration_seconds,
-                **self._counters(),
-            }
-        buckets = self.buckets
-        if buckets is not None:
-            out["bucket_bounds"] = list(buckets.bounds)
-            out["bucket_refreshes"] = buckets.refreshes
-        return out
+            out = {**self._pool_stats(list(self._live.values())), **self._migration_stats(),
+                   **self._counters()}
+        return self._bucket_stats(out)
 
     def check(self) -> None:
         """Verify the invariants in the class docstring (and TLSF's); InvariantBroken if not."""
         with self._lock:
-            for r in self._regions:
-                r.check()
-            used = {}
-            for r in self._regions:
-                for off, size in r.used_ranges():
-                    used[off] = (size, r)
+            used = self._used_ranges()
             for rid, b in self._live.items():
                 require(b.request_id == rid and b._state == LIVE,
                         f"the live table maps {rid!r} to {b!r}")
@@ -334,8 +393,4 @@ class ContiguousPool(PoolAllocator):
             require(len(used) == len(self._live) + self._migrating,
                     f"{len(used)} used ranges for {len(self._live)} live blocks and "
                     f"{self._migrating} migrations")
-            require(sum(r.used_bytes + r.free_bytes for r in self._regions) == self.pool_bytes,
-                    "the regions do not tile the pool")
-
-    def _before_close(self) -> None:
-        self.policy.close()
+            self._require_tiling()

@@ -26,8 +26,9 @@ requests (learn). ContiguousPool (contiguous.py) does everything else.
   upper bound on utilization of any contiguous policy.
 
 RacmAllocator, StaticAllocator, S3Allocator and OracleAllocator are a ContiguousPool with that
-policy; PagedAllocator (paged.py) is vLLM's paging over the same device pool helper. POLICIES
-maps the names the command line uses to them.
+policy; PagedAllocator (paged.py) is vLLM's paging over the same device pool helper;
+ExtentAllocator (extent.py) holds a request in a few extents, the first placed by OdmaPolicy.
+POLICIES maps the names the command line uses to them.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from odma_hw.errors import BadArgument
 from allocator.buckets import QuantileBuckets, align_up, equal_width_bounds
 from allocator.config import AllocatorConfig, check_config
 from allocator.contiguous import ContiguousPool
+from allocator.extent import ExtentAllocator
 from allocator.paged import PagedAllocator
 
 LARGE = "large"
@@ -224,7 +226,7 @@ class S3Allocator(PolicyAllocator):
 
 
 POLICIES = {"odma": RacmAllocator, "static": StaticAllocator, "s3": S3Allocator,
-            "paged": PagedAllocator, "oracle": OracleAllocator}
+            "paged": PagedAllocator, "oracle": OracleAllocator, "extent": ExtentAllocator}
 
 
 def make_allocator(policy: str, device, pool_bytes: int, bytes_per_token: int, max_tokens: int,

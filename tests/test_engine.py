@@ -168,6 +168,7 @@ def test_engine_command_prints_the_contract_json(tmp_path, capsys):
     (["--device", "torch:cuda:7"], "cuda"),
     (["--max-model-len", "10"], "--clip"),
     (["--policy", "odma,magic"], "unknown policy"),
+    (["--policy", "odma,extent"], "not yet executed"),
 ])
 def test_bad_engine_input_is_one_line_before_any_weights(tmp_path, capsys, monkeypatch, args,
                                                          message):

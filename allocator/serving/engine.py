@@ -29,7 +29,7 @@ from allocator.predictors import make_predictor
 from allocator.serving.metrics import summarise
 from allocator.serving.presets import DTYPE_BYTES, Accelerator, ModelSpec
 from allocator.serving.scheduler import Scheduler
-from allocator.serving.steptime import StepTimer
+from allocator.serving.steptime import StepTimer, extent_config
 
 LAYOUTS = ("contiguous", "v06", "hnd", "nhd")
 PAGED_LAYOUTS = LAYOUTS[1:]
@@ -223,7 +223,8 @@ class Simulation:
                  progress=None, prefix: PrefixSettings | None = None):
         self.s = setup
         self.policy = policy
-        self.layout = "contiguous" if policy != "paged" else setup.paged_layout
+        self.layout = ("extent" if policy == "extent" else
+                       setup.paged_layout if policy == "paged" else "contiguous")
         self.requests = requests
         self.progress = progress
         bpt = setup.kv_bytes_per_token
@@ -243,8 +244,10 @@ class Simulation:
                     disk_read_gbps=prefix.disk_read_gbps,
                     disk_write_gbps=prefix.disk_write_gbps))
         self.prefix = prefix
+        # extents grow by this card's knee, which only the timing source knows
+        config = extent_config(setup) if policy == "extent" else setup.config
         self.alloc = make_allocator(policy, None, pool, bpt, setup.max_model_len,
-                                    setup.config, page_tokens=setup.page_tokens)
+                                    config, page_tokens=setup.page_tokens)
         predictor = make_predictor("oracle" if policy == "oracle" else setup.predictor,
                                    seed=setup.seed, sigma=setup.noise_sigma)
         self.tot = collections.Counter()      # seconds by component, and counts

@@ -11,7 +11,9 @@ KV runs by layout, per card with h KV heads, head_dim x 2 B = g bytes per token 
     paged "v06" and "hnd" (vLLM 0.6 / vllm-mlu): one run of page_tokens x g per page, layer,
       K or V and head; with one KV head per card, consecutive pages of a request merge;
     paged "nhd" (vLLM v1): one run of page_tokens x h x g per page, layer, K or V; consecutive
-      pages merge.
+      pages merge;
+    extent: per extent, 2 x layers x h runs of the tokens it holds x g bytes (the last extent
+      partly filled); extents never merge, each is a head-major block of its own.
 
 While the batch does not change, each request's KV time grows linearly with its context, so a
 step's time is linear in the step index and any number of steps sums in closed form
@@ -20,9 +22,47 @@ step's time is linear in the step index and any number of steps sums in closed f
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
+
+
+def knee_tokens(timing, run_unit_bytes: int, fraction: float, max_tokens: int) -> int:
+    """The knee of a timing source: the fewest tokens whose run (tokens x run_unit_bytes bytes)
+    reads at `fraction` of its sequential bandwidth: the first power of two that does, then
+    bisection below it (on a measured curve that is not monotone, the crossing in that octave);
+    max_tokens when no run up to it gets there."""
+    target = fraction * float(timing.seq_gbps)
+
+    def fast(tokens):
+        return float(timing.run_gbps(tokens * run_unit_bytes)) >= target
+
+    hi = 1
+    while not fast(hi):
+        if hi >= max_tokens:
+            return max_tokens
+        hi = min(2 * hi, max_tokens)
+    lo = hi // 2                               # not fast (or 0)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fast(mid):
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
+def extent_config(setup):
+    """setup.config for the extent allocator: its knee (extent_knee_tokens) from setup's timing
+    source and the contiguous layout's run unit (head_dim x 2 B per (layer, K/V, head) run),
+    unless the config names one."""
+    c = setup.config
+    if c.extent_knee_tokens is not None:
+        return c
+    _, unit, _ = setup.run_layout("contiguous")
+    return dataclasses.replace(c, extent_knee_tokens=knee_tokens(
+        setup.timing, unit, c.extent_knee_fraction, setup.max_model_len))
 
 
 class StepTimer:
@@ -37,7 +77,9 @@ class StepTimer:
         self.seq_gbps = float(t.seq_gbps)
         self.copy_gbps = float(t.copy_gbps)
         self.peak_bw = t.peak_gbps * 1e9
-        self.runs_per_unit, self.run_unit_bytes, self.merge = setup.run_layout(layout)
+        # an extent is read as a contiguous block is, one extent at a time
+        self.runs_per_unit, self.run_unit_bytes, self.merge = setup.run_layout(
+            "contiguous" if layout == "extent" else layout)
         m, d = setup.model, setup.device
         # per step, independent of the batch: weights and per-layer overheads
         self.w_seconds = setup.weight_bytes / (self.seq_gbps * 1e9)
@@ -75,6 +117,8 @@ class StepTimer:
             bw = float(gbps(run)) * 1e9
             secs = n * run / bw
             slope = per_token / bw
+        elif self.layout == "extent":
+            secs, slope = self._extent_line(blk, ctx, unit, n)
         else:
             pt = self.s.page_tokens
             if self.merge:
@@ -94,6 +138,33 @@ class StepTimer:
         r.a = secs - step * slope
         r.sb = per_token
         r.ab = ctx * per_token - step * per_token
+
+    def _extent_line(self, blk, ctx: int, unit: int, n: int) -> tuple[float, float]:
+        """(seconds now, seconds per step) of the KV read of an extent block holding ctx tokens:
+        every extent one run per (layer, K/V, head) of the tokens it holds. Only the last one
+        grows, a token a step, until the request outgrows it and is relinearized: the slope is
+        the chord of its read time from now to full, exact at both ends, where a slope at its
+        current fill (a fresh extent holds one token: runs of head_dim x 2 B) would overstate the
+        whole extent's cost until the next event."""
+        gbps = self.s.timing.run_gbps
+
+        def read(tokens):      # seconds of the n runs of `tokens` tokens each
+            run = tokens * unit
+            return n * run / (float(gbps(run)) * 1e9)
+
+        secs = 0.0
+        start = last_fill = last_cap = 0
+        for cap in blk.extent_tokens():
+            fill = min(cap, ctx - start)
+            if fill <= 0:
+                break
+            secs += read(fill)
+            start += cap
+            last_fill, last_cap = fill, cap
+        if last_cap > last_fill:
+            return secs, (read(last_cap) - read(last_fill)) / (last_cap - last_fill)
+        # the last extent is full: the next step outgrows it, and the line is re-read then
+        return secs, n * unit / (float(gbps(max(last_fill, 1) * unit)) * 1e9)
 
     def add(self, r, sign: int) -> None:
         """Count a running request's line in the batch's sums (sign +1), or take it out (-1)."""
