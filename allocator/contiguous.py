@@ -163,6 +163,17 @@ class RegionPool(PoolAllocator):
     def block_bytes(self, capacity_tokens: int) -> int:
         return (capacity_tokens * self.bytes_per_token + self._mask) & ~self._mask
 
+    def _take_new(self, request_id, nbytes: int, p):
+        """Lock held: (offset, region) of the first range of a new request placed as `p`; raises
+        DuplicateRequest, AllocatorClosed, OutOfMemory (nothing changed)."""
+        self._check_new(request_id)
+        off, region = self._take(nbytes, p.large)
+        if off < 0:
+            self.reserve_failures += 1
+            raise OutOfMemory(f"no free range of {nbytes} B for request {request_id!r} "
+                              f"({p.capacity} tokens, bucket {p.bucket})")
+        return off, region
+
     def _take(self, nbytes: int, large: bool):
         """Lock held: (offset, region) of a new used range, or (-1, None)."""
         for region in (self._large_first if large else self._regular_only):
@@ -326,14 +337,9 @@ class ContiguousPool(RegionPool):
         """Reserve a contiguous block for a new request. Raises DuplicateRequest, BadArgument,
         OutOfMemory, AllocatorClosed (nothing changed)."""
         prompt, p = self._place(prompt_tokens, predicted_tokens, uncertainty)
-        nbytes = (p.capacity * self.bytes_per_token + self._mask) & ~self._mask
+        nbytes = self.block_bytes(p.capacity)
         with self._lock:
-            self._check_new(request_id)
-            off, region = self._take(nbytes, p.large)
-            if off < 0:
-                self.reserve_failures += 1
-                raise OutOfMemory(f"no free range of {nbytes} B for request {request_id!r} "
-                                  f"({p.capacity} tokens, bucket {p.bucket})")
+            off, region = self._take_new(request_id, nbytes, p)
             blk = Block(self, request_id, off, nbytes, p.capacity, p.bucket, region, prompt,
                         prompt, p.key)
             self._live[request_id] = blk

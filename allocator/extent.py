@@ -168,12 +168,7 @@ class ExtentAllocator(RegionPool):
                 align_up(prompt + self.knee_tokens, self.token_alignment), self.max_tokens))
         nbytes = self.block_bytes(p.capacity)
         with self._lock:
-            self._check_new(request_id)
-            off, region = self._take(nbytes, p.large)
-            if off < 0:
-                self.reserve_failures += 1
-                raise OutOfMemory(f"no free range of {nbytes} B for request {request_id!r} "
-                                  f"({p.capacity} tokens, bucket {p.bucket})")
+            off, region = self._take_new(request_id, nbytes, p)
             blk = ExtentBlock(self, request_id, ((off, nbytes, p.capacity, region),), p.bucket,
                               prompt, prompt, p.key)
             self._live[request_id] = blk
