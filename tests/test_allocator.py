@@ -17,23 +17,12 @@ from allocator import (LARGE, AllocatorConfig, BadArgument, ClusterManager, Dupl
                        MigrationFailed, OdmaError, OracleAllocator, OutOfMemory, PagedAllocator,
                        PoolTooLarge, RacmAllocator, S3Allocator, StaleBlock, StaticAllocator,
                        TlsfFreeSpace, UnknownRequest)
-from test_allocator_fakes import MemoryDevice, backend_params, open_or_skip
+from test_allocator_fakes import MemoryDevice, open_or_skip, pattern
 
 BPT = 256           # bytes per token
 MAX_TOKENS = 1024
 POOL = 4 << 20      # 16k tokens
 CFG = AllocatorConfig(background_refresh=False, refresh_every=25, window=200)
-
-
-@pytest.fixture(params=backend_params())
-def device(request):
-    dev = open_or_skip(request.param)
-    yield dev
-    dev.close()
-
-
-def pattern(seed: int, n: int) -> bytes:
-    return random.Random(seed).randbytes(n)
 
 
 def assert_disjoint(alloc):

@@ -5,6 +5,7 @@ real memory also runs on the real backends."""
 
 from __future__ import annotations
 
+import random
 import time
 
 import pytest
@@ -34,6 +35,11 @@ def open_or_skip(spec: str):
     if spec not in status.specs:
         pytest.skip(f"{spec} not available here: {status.reason or 'discover() does not list it'}")
     return devices.open(spec)
+
+
+def pattern(seed: int, n: int) -> bytes:
+    """n reproducible random bytes: what a test writes and reads back."""
+    return random.Random(seed).randbytes(n)
 
 
 class MemoryDevice(Device):

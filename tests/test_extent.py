@@ -33,7 +33,7 @@ from allocator.serving.presets import accelerator, model_spec
 from allocator.serving.steptime import StepTimer, extent_config, knee_tokens
 from allocator.serving.timing import MeasuredTiming
 from allocator.trace import RequestTrace, arrival_seconds
-from test_allocator_fakes import MemoryDevice, backend_params, open_or_skip
+from test_allocator_fakes import MemoryDevice, pattern
 from test_allocator_trust import SlowWriteDevice
 
 BPT = 256           # bytes per token
@@ -43,17 +43,6 @@ KNEE = 64
 # most tests pin the first extent to ODMA's block, the rule they compare against
 CFG = AllocatorConfig(background_refresh=False, refresh_every=25, window=200,
                       extent_knee_tokens=KNEE, extent_first="prediction")
-
-
-@pytest.fixture(params=backend_params())
-def device(request):
-    dev = open_or_skip(request.param)
-    yield dev
-    dev.close()
-
-
-def pattern(seed: int, n: int) -> bytes:
-    return random.Random(seed).randbytes(n)
 
 
 def extents(blk):
