@@ -47,7 +47,7 @@ from allocator.buckets import RULES
 from allocator.config import BASES, COLD_STARTS, AllocatorConfig
 from allocator.policies import LARGE, POLICIES, make_allocator
 from allocator.errors import OutOfMemory
-from allocator.predictors import PREDICTORS, Request, make_predictor
+from allocator.predictors import PREDICTORS, Request, after_preemption, make_predictor
 from allocator.trace import RequestTrace, arrival_seconds, load_trace, trace_check
 
 Trace = RequestTrace  # the name replay's callers know
@@ -331,9 +331,8 @@ class _Replay:
         self.alloc.release(i, preempted=True)
         self.epoch[i] += 1
         self.running.leave(self.prompt[i], self.start[i], self.cap[i])
-        done = T - 1 - self.start[i]       # rerun it, knowing it makes more than that
-        L, _ = self.predicted[i]           # and that it was mispredicted: large bucket
-        self.predicted[i] = (max(L, done + 1.0), math.inf)
+        # rerun from scratch, knowing it makes more than the tokens it reached
+        self.predicted[i] = after_preemption(self.predicted[i], T - 1 - self.start[i])
         self.waiting.appendleft(i)
 
     def _complete(self, i: int) -> None:

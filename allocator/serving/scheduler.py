@@ -20,12 +20,11 @@ from __future__ import annotations
 import collections
 import heapq
 import itertools
-import math
 
 from odma_hw.errors import BadArgument
 
 from allocator.errors import OutOfMemory
-from allocator.predictors import Request
+from allocator.predictors import Request, after_preemption
 
 DISTANCES = 4                          # device, host, disk, none
 
@@ -293,10 +292,7 @@ class Scheduler:
         r.epoch += 1
         r.preemptions += 1
         self.tot["preemptions"] += 1
-        L, _ = r.predicted
-        # mispredicted, as seen: it makes more than that, and nobody knows how much more
-        # (u = inf sends it to ODMA's large bucket, as the paper routes overflows)
-        r.predicted = (max(L, r.made + 1.0), math.inf)
+        r.predicted = after_preemption(r.predicted, r.made)
         self.waiting.appendleft(i)
 
     def finish(self, i, r, t: float) -> float:
