@@ -20,6 +20,7 @@ column but wall times and worker names), e.g. a local and a two-node run:
 from __future__ import annotations
 
 import csv
+import importlib
 import os
 import re
 import subprocess
@@ -41,7 +42,7 @@ RUN_COLUMNS = {"wall_seconds", "warm_up_seconds", "worker", "out.wall_seconds",
 def serial_loop(grid_path) -> float:
     """Seconds to run every cell of the grid one after another in this process."""
     the_plan = sweep.plan(sweep.load_grid(str(grid_path)))
-    module = sweep.importlib.import_module(the_plan.module)
+    module = importlib.import_module(the_plan.module)
     parser = sweep.command_parser(the_plan.module, the_plan.grid.command)
     t0 = time.perf_counter()
     for cell in the_plan.cells:
@@ -51,7 +52,7 @@ def serial_loop(grid_path) -> float:
 
 def test_emulate_24_two_workers_vs_serial(benchmark, tmp_path):
     pytest.importorskip("ray", reason="pip install 'odma-hw[sweep]'")
-    sweep._warm_up()
+    sweep.warm_up()
     rounds = int(os.environ.get("ODMA_SWEEP_ROUNDS", "3"))
     serial, swept = [], []
     outs = iter(tmp_path / f"round{i}" for i in range(rounds + 1))
@@ -160,7 +161,7 @@ if __name__ == "__main__":
     if len(sys.argv) == 4 and sys.argv[1] == "compare":
         sys.exit(compare(sys.argv[2], sys.argv[3]))
     if len(sys.argv) == 3 and sys.argv[1] == "serial":
-        sweep._warm_up()
+        sweep.warm_up()
         print(f"serial loop seconds {serial_loop(sys.argv[2]):.3f}")
         sys.exit(0)
     sys.exit(__doc__)

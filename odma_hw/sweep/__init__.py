@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import importlib  # noqa: F401  (bench/bench_sweep.py imports commands through sweep.importlib)
 import json
 import os
 import sys
@@ -147,7 +146,6 @@ __all__ = [
 
 SCHEMA = "odma-hw.sweep/1"
 SUMMARY_SCHEMA = "odma-hw.sweep-summary/1"
-_warm_up = warm_up      # the name bench/bench_sweep.py calls
 
 
 def _meta(the_plan: Plan, ray, address, started: str) -> dict:
