@@ -8,7 +8,8 @@
 - migration (grow past capacity: allocate, streaming copy, switch, free) on `host` for 1-64 MiB
   blocks against the native streaming copier alone (Device.copy) on the same bytes;
 - the contiguity advantage on emulated LPDDR5-6400: modelled time to read one request's KV as
-  one contiguous range vs as the 16-token pages the paged baseline actually gave it.
+  one contiguous range vs as the 16-token pages the paged baseline actually gave it;
+- the extent policy's reserve + grow + release against ODMA's, side by side.
 """
 
 from __future__ import annotations
@@ -150,3 +151,42 @@ def test_contiguous_vs_paged_kv_read_on_emulated_lpddr5(benchmark):
         contiguous_gbps=c.bandwidth_gbps, paged_gbps=p.bandwidth_gbps,
         contiguous_efficiency=c.efficiency, paged_efficiency=p.efficiency,
         paged_over_contiguous_time=t_p / t_c)
+
+
+def test_reserve_grow_release_extent_vs_odma(benchmark):
+    """The extent policy's own cost against ODMA's: reserve, grow past the first block (ODMA
+    migrates, extent appends), release, with 10k other requests live; both in one run,
+    alternating, on an accounting-only pool. extra_info: the median microseconds of each and
+    extent / odma."""
+    from allocator import make_allocator
+
+    bpt, live = 64, 10_000
+    cfg = AllocatorConfig(background_refresh=False, extent_knee_tokens=256)
+    allocs = {p: make_allocator(p, None, (live + 1000) * 1100 * bpt, bpt, 2048, cfg)
+              for p in ("odma", "extent")}
+    rng = random.Random(1)
+    for alloc in allocs.values():
+        for i in range(live):
+            alloc.reserve(("live", i), rng.randint(1, 500), rng.uniform(1, 500), rng.random())
+    ids = iter(range(10 ** 9))
+    times: dict = {p: [] for p in allocs}
+
+    def cycle(alloc):
+        rid = next(ids)
+        total = alloc.reserve(rid, 100, 50, 0.0).capacity_tokens + 1
+        alloc.grow(rid, total)
+        alloc.release(rid, total - 100)
+
+    def both():
+        for p, alloc in allocs.items():
+            t = time.perf_counter()
+            cycle(alloc)
+            times[p].append(time.perf_counter() - t)
+
+    benchmark.pedantic(both, rounds=5_000, iterations=1, warmup_rounds=200)
+    med = {p: float(np.median(t[200:])) * 1e6 for p, t in times.items()}
+    benchmark.extra_info.update({f"{p}_median_us": v for p, v in med.items()})
+    benchmark.extra_info["extent_over_odma"] = med["extent"] / med["odma"]
+    for alloc in allocs.values():
+        alloc.check()
+        alloc.close()
