@@ -17,7 +17,7 @@ from allocator import (LARGE, AllocatorConfig, BadArgument, ClusterManager, Dupl
                        MigrationFailed, OdmaError, OracleAllocator, OutOfMemory, PagedAllocator,
                        PoolTooLarge, RacmAllocator, S3Allocator, StaleBlock, StaticAllocator,
                        TlsfFreeSpace, UnknownRequest)
-from test_allocator_fakes import MemoryDevice, open_or_skip, pattern
+from test_allocator_fakes import MemoryDevice, fill_grow_release, open_or_skip, pattern
 
 BPT = 256           # bytes per token
 MAX_TOKENS = 1024
@@ -106,23 +106,8 @@ def test_blocks_never_overlap_and_reserved_plus_free_is_capacity(device):
 
 
 def test_releasing_everything_returns_the_pool_to_one_free_region(device):
-    rng = random.Random(3)
     with RacmAllocator(device, POOL, BPT, MAX_TOKENS, CFG) as alloc:
-        ids = []
-        for i in range(60):
-            try:
-                alloc.reserve(i, rng.randint(0, 500), rng.uniform(0, 500), rng.random())
-                ids.append(i)
-            except OutOfMemory:
-                break
-        for i in ids[::3]:
-            try:
-                alloc.grow(i, min(MAX_TOKENS, alloc.block(i).capacity_tokens + 1))
-            except OutOfMemory:
-                pass
-        rng.shuffle(ids)
-        for i in ids:
-            alloc.release(i)
+        fill_grow_release(alloc, 3, grow_every=3)
         assert_one_free_region(alloc)
         alloc.check()
 

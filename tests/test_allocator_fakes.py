@@ -14,6 +14,8 @@ from odma_hw import devices
 from odma_hw.devices.base import Buffer, Device, DeviceInfo
 from odma_hw.errors import BadArgument, DeviceError
 
+from allocator import OutOfMemory
+
 BACKENDS = ["host", "emu:lpddr5-6400", "torch:cpu"]
 
 
@@ -40,6 +42,30 @@ def open_or_skip(spec: str):
 def pattern(seed: int, n: int) -> bytes:
     """n reproducible random bytes: what a test writes and reads back."""
     return random.Random(seed).randbytes(n)
+
+
+def fill_grow_release(alloc, seed: int, grow_every: int, grows: int = 1) -> list:
+    """Reserve random requests until the pool refuses one (60 at most), grow every grow_every-th
+    past its capacity up to `grows` times (stopping at OutOfMemory), then release them all in a
+    random order: the ids that were reserved."""
+    rng = random.Random(seed)
+    ids = []
+    for i in range(60):
+        try:
+            alloc.reserve(i, rng.randint(0, 500), rng.uniform(0, 500), rng.random())
+            ids.append(i)
+        except OutOfMemory:
+            break
+    for i in ids[::grow_every]:
+        for _ in range(rng.randint(1, grows) if grows > 1 else 1):
+            try:
+                alloc.grow(i, min(alloc.max_tokens, alloc.block(i).capacity_tokens + 1))
+            except OutOfMemory:
+                break
+    rng.shuffle(ids)
+    for i in ids:
+        alloc.release(i)
+    return ids
 
 
 class MemoryDevice(Device):

@@ -33,7 +33,7 @@ from allocator.serving.presets import accelerator, model_spec
 from allocator.serving.steptime import StepTimer, extent_config, knee_tokens
 from allocator.serving.timing import MeasuredTiming
 from allocator.trace import RequestTrace, arrival_seconds
-from test_allocator_fakes import MemoryDevice, pattern
+from test_allocator_fakes import MemoryDevice, fill_grow_release, pattern
 from test_allocator_trust import SlowWriteDevice
 
 BPT = 256           # bytes per token
@@ -204,24 +204,8 @@ def test_extents_never_overlap_and_reserved_plus_free_is_capacity(device):
 
 
 def test_releasing_everything_returns_the_pool_to_one_free_region(device):
-    rng = random.Random(3)
     with ExtentAllocator(device, POOL, BPT, MAX_TOKENS, CFG) as alloc:
-        ids = []
-        for i in range(60):
-            try:
-                alloc.reserve(i, rng.randint(0, 500), rng.uniform(0, 500), rng.random())
-                ids.append(i)
-            except OutOfMemory:
-                break
-        for i in ids[::2]:
-            for _ in range(rng.randint(1, 6)):
-                try:
-                    alloc.grow(i, min(MAX_TOKENS, alloc.block(i).capacity_tokens + 1))
-                except OutOfMemory:
-                    break
-        rng.shuffle(ids)
-        for i in ids:
-            alloc.release(i)
+        ids = fill_grow_release(alloc, 3, grow_every=2, grows=6)
         st_ = alloc.stats()
         assert len(alloc) == 0 and st_["reserved_bytes"] == 0
         for region in alloc._regions:
@@ -449,9 +433,10 @@ class ExtentMachine(RuleBasedStateMachine):
 
     def __init__(self):
         super().__init__()
-        self.alloc = ExtentAllocator("host", EPOOL, EBPT, EMAX, AllocatorConfig(extent_first="prediction", 
-            background_refresh=False, refresh_every=7, window=40, n_buckets=4,
-            token_alignment=8, large_share=0.2, extent_knee_tokens=16, extent_max=3))
+        self.alloc = ExtentAllocator("host", EPOOL, EBPT, EMAX, AllocatorConfig(
+            extent_first="prediction", background_refresh=False, refresh_every=7, window=40,
+            n_buckets=4, token_alignment=8, large_share=0.2, extent_knee_tokens=16,
+            extent_max=3))
         self.model: dict = {}     # request id -> (tokens, bytes written)
         self.next_id = 0
 

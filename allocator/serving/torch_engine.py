@@ -119,6 +119,9 @@ class BlockKV:
                 alloc.n_pages, self.layers, 2, self.kv_heads, T, self.head_dim)
 
     def _view(self, i, blk=None):
+        """Request i's KV view of its live block (or of `blk`): the block is looked up in the
+        allocator every time, so a view kept of a released or migrated-away block is never
+        read, only replaced."""
         blk = blk if blk is not None else self.alloc.block(i)
         got = self._views.get(i)
         if got is None or got[0] is not blk:
@@ -126,11 +129,6 @@ class BlockKV:
                                            self.head_dim))
             got = self._views[i] = (blk, view)
         return got[1]
-
-    def forget(self, i) -> None:
-        """Request i's block is gone (finished, preempted): drop the view, so that nothing
-        reads a released block through it."""
-        self._views.pop(i, None)
 
     def write(self, i, layer: int, start: int, k, v) -> None:
         """Store K and V, each (kv_heads, n, head_dim), at positions [start, start + n)."""
@@ -301,16 +299,11 @@ def _serve(model, alloc, reqs, prompts, policy, bpt, max_batch, max_prefill, pre
     def now():
         return time.perf_counter() - start
 
-    def emit(i, logits) -> int:
-        tok = int(torch.argmax(logits))
-        made[i].append(tok)
+    def emit(i, logits) -> None:
+        made[i].append(int(torch.argmax(logits)))
         if keep_logits:
             v, ix = torch.topk(logits.float(), min(LOGIT_CHECK_K, logits.numel()))
             top[i].append((v.cpu(), ix.cpu()))
-        return tok
-
-    def drop(i):
-        kv.forget(i)
 
     while sched.done < n:
         while next_arrival < n and reqs[order[next_arrival]].arrival <= now():
@@ -328,13 +321,11 @@ def _serve(model, alloc, reqs, prompts, policy, bpt, max_batch, max_prefill, pre
                 t = now()
                 for i, r, _, _ in admitted:
                     if sched.made_first_token(i, r, t):
-                        drop(i)
                         sched.finish(i, r, t)
                         continue
                     try:
                         sched.run_on(i, r)
                     except OutOfMemory:
-                        drop(i)
                         sched.preempt(i, r)
                 peak_batch = max(peak_batch, len(running))
                 continue
@@ -356,7 +347,6 @@ def _serve(model, alloc, reqs, prompts, policy, bpt, max_batch, max_prefill, pre
         for i in ids:                       # completions, then growth, in request order
             r = reqs[i]
             if r.made >= r.gen:
-                drop(i)
                 sched.finish(i, r, t)
         for i in ids:
             r = reqs[i]
@@ -364,7 +354,6 @@ def _serve(model, alloc, reqs, prompts, policy, bpt, max_batch, max_prefill, pre
                 try:
                     sched.grow(i, r.prompt + r.made + 1)
                 except OutOfMemory:
-                    drop(i)
                     sched.preempt(i, r)
         if progress and time.perf_counter() - last_progress > 1.0:
             last_progress = time.perf_counter()
