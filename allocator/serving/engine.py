@@ -28,7 +28,7 @@ from allocator.policies import make_allocator
 from allocator.predictors import make_predictor
 from allocator.serving.metrics import summarise
 from allocator.serving.presets import DTYPE_BYTES, Accelerator, ModelSpec
-from allocator.serving.scheduler import Scheduler
+from allocator.serving.scheduler import Scheduler, check_scheduling
 from allocator.serving.steptime import StepTimer, extent_config
 
 LAYOUTS = ("contiguous", "v06", "hnd", "nhd")
@@ -59,13 +59,18 @@ class ServingSetup:
     noise_sigma: float = 0.3
     config: AllocatorConfig = AllocatorConfig(background_refresh=False)
     seed: int = 0
+    max_batched_tokens: int | None = None   # chunked prefill's token budget per step; None:
+                                            # prefill-first
+    concurrency: int | None = None          # closed loop: requests in flight at most
 
     def __post_init__(self):
         if self.paged_layout not in PAGED_LAYOUTS:
             raise BadArgument(f"unknown paged layout {self.paged_layout!r}: expected one of "
                               f"{', '.join(PAGED_LAYOUTS)}")
         if self.dtype not in DTYPE_BYTES:
-            raise BadArgument(f"unknown dtype {self.dtype!r}: expected bf16 or int8")
+            raise BadArgument(f"unknown dtype {self.dtype!r}: expected one of "
+                              f"{', '.join(DTYPE_BYTES)}")
+        self.device.peak_tflops(self.dtype)   # a card without that dtype's figure: refused now
         if not (isinstance(self.tp, int) and 1 <= self.tp <= 64):
             raise BadArgument(f"tp must be an integer in [1, 64], got {self.tp!r}")
         m, tp = self.model, self.tp
@@ -75,6 +80,7 @@ class ServingSetup:
             raise BadArgument(f"--tp {tp} does not split {m.name}'s {m.heads} query and "
                               f"{m.kv_heads} KV heads evenly: use a TP that divides {m.heads} "
                               f"and divides or is a multiple of {m.kv_heads}")
+        check_scheduling(self.max_batch, self.max_batched_tokens, self.concurrency)
         if not 0 < self.mfu <= 1:
             raise BadArgument(f"mfu must be in (0, 1], got {self.mfu}")
         if not 0 < self.memory_utilization <= 1:
@@ -89,9 +95,15 @@ class ServingSetup:
         return max(1, self.model.kv_heads // self.tp)
 
     @property
+    def kv_dtype_bytes(self) -> int:
+        """Bytes of one KV element: fp32 weights serve fp32 KV (as odma-hw's engine does on
+        CPU); bf16 and int8 weights keep the model's bf16 KV."""
+        return DTYPE_BYTES["fp32"] if self.dtype == "fp32" else self.model.kv_dtype_bytes
+
+    @property
     def kv_bytes_per_token(self) -> int:
         m = self.model
-        return 2 * m.layers * self.kv_heads_per_card * m.kv_run_bytes_per_token
+        return 2 * m.layers * self.kv_heads_per_card * m.head_dim * self.kv_dtype_bytes
 
     @property
     def weight_bytes(self) -> float:
@@ -120,7 +132,7 @@ class ServingSetup:
         """(runs per token-run, bytes per token in one run, whether a request's consecutive
         pages merge into one run) for a layout on one card."""
         m, h = self.model, self.kv_heads_per_card
-        g = m.kv_run_bytes_per_token
+        g = m.head_dim * self.kv_dtype_bytes
         if layout == "contiguous":
             return 2 * m.layers * h, g, True
         if layout == "nhd":
@@ -131,7 +143,8 @@ class ServingSetup:
 class RequestState:
     __slots__ = ("rid", "prompt", "gen", "made", "arrival", "first_token", "finish",
                  "preemptions", "predicted", "start_step", "a", "slope", "ab",
-                 "sb", "epoch", "cap", "prefix", "prefix_tokens", "offer", "covered")
+                 "sb", "epoch", "cap", "prefix", "prefix_tokens", "offer", "covered",
+                 "prefilled")
 
     def __init__(self, rid, prompt, gen, arrival, prefix="", prefix_tokens=0, offer=""):
         self.rid = rid
@@ -154,6 +167,7 @@ class RequestState:
         self.prefix_tokens = prefix_tokens
         self.offer = offer          # key its whole context is offered under when it completes
         self.covered = 0            # prompt tokens the cache covered at its last admission
+        self.prefilled = 0          # chunked prefill: context tokens computed (or restored)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -256,7 +270,8 @@ class Simulation:
             max_prefill=setup.max_prefill_tokens or max(setup.max_model_len, 2048),
             bytes_per_token=bpt, cache=self.cache,
             schedule=prefix.schedule if prefix else "fcfs",
-            prefetch=prefix.prefetch if prefix else 0, tot=self.tot)
+            prefetch=prefix.prefetch if prefix else 0, tot=self.tot,
+            max_batched_tokens=setup.max_batched_tokens, concurrency=setup.concurrency)
         self.timer = StepTimer(setup, self.layout)
         self.events: list = []     # (step, kind, request, epoch): 0 done, 1 outgrown, 2 re-read
         self.step = 0              # decode steps done; the next one has this index
@@ -285,38 +300,79 @@ class Simulation:
         admitted, restore = sched.admit(now)
         if not admitted:
             return 0.0
-        if restore and self.dma_busy_until > now:  # a restore waits for the copy engine
-            restore += self.dma_busy_until - now
+        restore = self._restore_and_prefetch(now, admitted, restore)
         parts = [(h, c) for _, _, h, c in admitted]
         secs, flops, nbytes = timer.prefill(parts)
         if self.cache is not None:
             tot["prefill_saved"] += timer.prefill([(h, 0) for h, _ in parts])[0] - secs
-            tot["prefix_restore"] += restore
-            tot["prefix_covered_tokens"] += sum(c for _, c in parts)
-            ahead = sched.prefetch()
-            if ahead:
-                self.dma_busy_until = max(self.dma_busy_until, now) + ahead
         timer.note_prefill(secs, flops, nbytes)
         secs += restore
         end = now + secs
-        stall = 0.0
-        for i, r, _, _ in admitted:
-            if sched.made_first_token(i, r, end):
-                self._finish(i, r, end)
-                continue
-            try:
-                blk, moved = sched.run_on(i, r)
-            except OutOfMemory:
-                sched.preempt(i, r)
-                continue
-            extra = timer.migration_seconds(moved)
-            stall += extra
-            tot["migration"] += extra
-            timer.start(r, self.step, blk)
-            self._schedule(i, r)
+        stall = sum(self._prefilled(i, r, end) for i, r, _, _ in admitted)
         tot["prefill"] += secs
         tot["prefills"] += 1
         tot["prefill_tokens"] += sum(h - c for h, c in parts)
+        return secs + stall
+
+    def _prefilled(self, i, r, end: float) -> float:
+        """Request i's prefill completed at `end`: it finishes, or joins the decodes (growing
+        for its next token's slot), or is preempted; seconds a migration stalled the step."""
+        sched, timer = self.sched, self.timer
+        if sched.made_first_token(i, r, end):
+            self._finish(i, r, end)
+            return 0.0
+        try:
+            blk, moved = sched.run_on(i, r)
+        except OutOfMemory:
+            sched.preempt(i, r)
+            return 0.0
+        extra = timer.migration_seconds(moved)
+        self.tot["migration"] += extra
+        timer.start(r, self.step, blk)
+        self._schedule(i, r)
+        return extra
+
+    def _restore_and_prefetch(self, now: float, admitted, restore: float) -> float:
+        """Prefix bookkeeping of an admission: a restore waits for the copy engine; the
+        prefetches of the next queued prefixes start. The restore's seconds."""
+        if self.cache is None:
+            return restore
+        if restore and self.dma_busy_until > now:
+            restore += self.dma_busy_until - now
+        tot = self.tot
+        tot["prefix_restore"] += restore
+        tot["prefix_covered_tokens"] += sum(c for _, _, _, c in admitted)
+        ahead = self.sched.prefetch()
+        if ahead:
+            self.dma_busy_until = max(self.dma_busy_until, now) + ahead
+        return restore
+
+    def _chunked_step(self, now: float) -> float:
+        """Chunked prefill: one step of every running request's decode and the prompt chunks
+        that fit the token budget; its seconds (0 when there was no chunk to run, and decoding
+        goes on in closed form)."""
+        sched, timer, tot = self.sched, self.timer, self.tot
+        nb = len(sched.running)
+        budget = sched.max_batched_tokens - nb
+        if budget <= 0 or not (sched.prefilling or sched.waiting):
+            return 0.0
+        chunks, admitted, restore = sched.chunks(now, budget)
+        if not chunks:
+            return 0.0
+        restore = self._restore_and_prefetch(now, admitted, restore)
+        if self.cache is not None and admitted:
+            whole = [(h, 0) for _, _, h, _ in admitted]
+            part = [(h, c) for _, _, h, c in admitted]
+            tot["prefill_saved"] += timer.prefill(whole)[0] - timer.prefill(part)[0]
+        secs = timer.mixed_step(nb, self.step, [(start, k) for _, _, start, k in chunks],
+                                tot) + restore
+        end = now + secs
+        if nb:
+            self.step += 1                 # every running request made a token
+        stall = self._events(end)          # their completions and growth come first
+        for i, r, _, k in chunks:
+            if sched.chunk_done(i, r, k):
+                stall += self._prefilled(i, r, end)
         return secs + stall
 
     def _events(self, now: float) -> float:
@@ -358,52 +414,62 @@ class Simulation:
         """Serve every request; returns the metrics (see summarise())."""
         s, alloc, reqs, sched, tot = self.s, self.alloc, self.requests, self.sched, self.tot
         n = len(reqs)
-        order = sorted(range(n), key=lambda i: (reqs[i].arrival, i))
         running, waiting = sched.running, sched.waiting
-        now = t_first = reqs[order[0]].arrival
+        now = t_first = reqs[sched.order[0]].arrival
         self.dma_busy_until = now
-        next_arrival = 0
         peak_batch = 0
         series: list = []
         next_sample = now
         pool = alloc.pool_bytes
         while sched.done < n:
-            while next_arrival < n and reqs[order[next_arrival]].arrival <= now:
-                waiting.append(order[next_arrival])
-                next_arrival += 1
-            if waiting and len(running) < s.max_batch:
+            sched.arrive(now)
+            if sched.chunked:
+                secs = self._chunked_step(now)
+            elif waiting and len(running) < s.max_batch:
                 secs = self._prefill(now)
-                peak_batch = max(peak_batch, len(running))
-                if secs:
-                    tot["occupancy_seconds"] += secs * alloc.reserved_bytes / pool
-                    now += secs
-                    continue
+            else:
+                secs = 0.0
+            peak_batch = max(peak_batch, len(running))
+            if secs:
+                tot["occupancy_seconds"] += secs * alloc.reserved_bytes / pool
+                now += secs
+                if sched.chunked:          # a chunked step is a decode step too
+                    next_sample = self._sample(now, t_first, next_sample, series)
+                continue
             if not running:
-                if next_arrival >= n:
+                t = sched.next_send()
+                if t is None:
                     raise RuntimeError("simulation stalled: requests wait and nothing runs")
-                now = max(now, reqs[order[next_arrival]].arrival)
+                now = max(now, t)
                 continue
             # decode steps up to the next event, or to the step during which a request arrives
             nb = len(running)
-            dt = (reqs[order[next_arrival]].arrival - now
-                  if next_arrival < n and not waiting and nb < s.max_batch else None)
+            t = sched.next_send()
+            dt = t - now if t is not None and not waiting and nb < s.max_batch else None
             k, secs = self.timer.decode_span(nb, self.step, self.events[0][0] - self.step, dt,
                                              tot)
             tot["occupancy_seconds"] += secs * alloc.reserved_bytes / pool
             now += secs
             self.step += k
             now += self._events(now)
-            if now >= next_sample:
-                next_sample = now + max(1e-3, (now - t_first) / SERIES_POINTS)
-                series.append((now, len(running), len(waiting), alloc.reserved_bytes / pool))
-            if self.progress:
-                self.progress(sched.done, n, now)
+            next_sample = self._sample(now, t_first, next_sample, series)
         tot["peak_batch"] = peak_batch
         tot["floor_margin_min"] = self.timer.floor_margin
         tot["compute_floor_margin_min"] = self.timer.compute_margin
         tot["prefill_floor_margin_min"] = self.timer.prefill_margin
         return dict(totals=tot, series=series, t_first=t_first, t_end=now,
                     allocator=alloc.stats())
+
+    def _sample(self, now: float, t_first: float, next_sample: float, series: list) -> float:
+        """A point of the time series when one is due, and the progress line; the next due."""
+        sched = self.sched
+        if now >= next_sample:
+            next_sample = now + max(1e-3, (now - t_first) / SERIES_POINTS)
+            series.append((now, len(sched.running), len(sched.waiting),
+                           self.alloc.reserved_bytes / self.alloc.pool_bytes))
+        if self.progress:
+            self.progress(sched.done, len(self.requests), now)
+        return next_sample
 
 
 # ----------------------------------------------------------------------------- whole runs
@@ -446,6 +512,9 @@ def run_policy(trace, arrivals, policy: str, setup: ServingSetup, *, replicas: i
     prompt, gen, keep, cap, dropped, truncated = fit_lengths(trace, setup.max_model_len or None,
                                                              setup.model, clip)
     setup = dataclasses.replace(setup, max_model_len=cap)
+    # a closed loop's places are split over the replicas (simulate checks they split evenly)
+    rep_setup = setup if setup.concurrency is None else dataclasses.replace(
+        setup, concurrency=max(1, setup.concurrency // replicas))
     arrive = np.asarray(arrivals, dtype=np.float64)[keep]
     results = []
     all_reqs = []
@@ -461,7 +530,7 @@ def run_policy(trace, arrivals, policy: str, setup: ServingSetup, *, replicas: i
                              *((trace.prefix_id[keep[j]], int(trace.prefix_tokens[keep[j]]),
                                 trace.offer_id[keep[j]]) if named else ()))
                 for j in idx]
-        sim = Simulation(setup, policy, reqs, show, prefix)
+        sim = Simulation(rep_setup, policy, reqs, show, prefix)
         try:
             results.append(sim.run())
         finally:

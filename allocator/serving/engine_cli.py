@@ -24,6 +24,7 @@ def prepare(args):
 
     from allocator.serving.cli import parse_policies
     from allocator.serving.engine import fit_lengths
+    from allocator.serving.scheduler import check_scheduling
     from allocator.pool import resolve_device
     from allocator.trace import arrival_seconds, load_trace
 
@@ -44,7 +45,10 @@ def prepare(args):
     limit = types.SimpleNamespace(name=args.model, max_context=config.max_position_embeddings)
     prompt, gen, keep, cap, dropped, truncated = fit_lengths(trace, args.max_model_len, limit,
                                                              args.clip)
-    arrivals = arrival_seconds(trace, args.rate, 1.0, args.seed)[keep]
+    # a closed loop without a rate sends as fast as places free, as vllm bench serve does
+    arrivals = (np.zeros(len(keep)) if args.concurrency and args.rate is None
+                else arrival_seconds(trace, args.rate, 1.0, args.seed)[keep])
+    check_scheduling(args.max_batch, args.max_num_batched_tokens, args.concurrency)
     dev, owned = resolve_device(args.device)
     try:
         if not hasattr(dev, "dev"):
@@ -79,6 +83,8 @@ def compute(args, results: list | None = None) -> dict:
                 "max_batch": args.max_batch, "kv_pool_mb": args.kv_pool_mb,
                 "kv_bytes_per_token": p["bpt"], "page_tokens": args.page_tokens,
                 "predictor": args.predictor, "seed": args.seed, "rate": args.rate,
+                "max_num_batched_tokens": args.max_num_batched_tokens,
+                "concurrency": args.concurrency,
                 "dropped_over_length": p["dropped"], "truncated_over_length": p["truncated"],
                 "weights": "loaded" if p["weights"] else "random (seeded)"}
     out = [] if results is None else results
@@ -90,11 +96,14 @@ def compute(args, results: list | None = None) -> dict:
         show = progress(policy) if not args.json or os.isatty(2) else None
         if policy == "hf":
             run = run_hf(model, prompts, p["gen"], p["arrivals"], max_batch=args.max_batch,
-                         progress=show)
+                         max_batched_tokens=args.max_num_batched_tokens,
+                         concurrency=args.concurrency, progress=show)
         else:
             run = serve(model, prompts, p["gen"], p["arrivals"], policy, pool_bytes=p["pool"],
                         max_model_len=p["max_model_len"], max_batch=args.max_batch,
                         page_tokens=args.page_tokens, predictor=args.predictor,
+                        max_batched_tokens=args.max_num_batched_tokens,
+                        concurrency=args.concurrency,
                         seed=args.seed, progress=show, keep_logits=args.check)
         r = summarise(policy, run, settings)
         if args.check:
@@ -158,6 +167,8 @@ def _cmd(args) -> int:
 def register(subparsers) -> None:
     from odma_hw import argtypes
 
+    from allocator.serving.cli import add_scheduling_arguments
+
     p = subparsers.add_parser(
         "engine", help="serve a trace with a real transformer whose KV lives in allocator blocks",
         description="A Hugging Face decoder (Llama, Qwen2, Mistral) serves a request trace on a "
@@ -184,6 +195,7 @@ def register(subparsers) -> None:
     p.add_argument("--predictor", default="online", help="ODMA's length predictor")
     p.add_argument("--max-batch", type=argtypes.positive_int, default=32,
                    help="running requests at most (default 32)")
+    add_scheduling_arguments(p)
     p.add_argument("--kv-pool-mb", type=argtypes.positive_float, default=64.0,
                    help="KV pool in MB (default 64; small forces preemption)")
     p.add_argument("--page-tokens", type=argtypes.positive_int, default=16,

@@ -97,10 +97,14 @@ class _Counts:
         self.steps = self.batch_sum = self.peak = self.offloaded = 0
 
 
-def run_hf(model, prompts: list, gen: list, arrivals, *, max_batch: int, progress=None) -> dict:
+def run_hf(model, prompts: list, gen: list, arrivals, *, max_batch: int,
+           max_batched_tokens: int | None = None, concurrency: int | None = None,
+           progress=None) -> dict:
     """Serve the requests (prompt token ids, tokens to make, arrival seconds from the start) with
-    transformers' continuous batching on the model's device; the dict torch_engine.serve()
-    returns (see the module docstring for what its counts mean here)."""
+    transformers' continuous batching on the model's device, at most max_batched_tokens tokens
+    per forward pass (default: serve()'s prefill budget) and, closed loop, at most `concurrency`
+    requests in flight; the dict torch_engine.serve() returns (see the module docstring for what
+    its counts mean here)."""
     CBConfig, GenerationConfig = _transformers()
     import torch
 
@@ -128,6 +132,7 @@ def run_hf(model, prompts: list, gen: list, arrivals, *, max_batch: int, progres
             for i in range(n)]
     page = CBConfig.page_size
     blocks, batch_tokens = _geometry(prompts, gen, int(max_batch), page)
+    batch_tokens = max_batched_tokens or batch_tokens
     cb_config = CBConfig(page_size=page, num_blocks=blocks, max_batch_tokens=batch_tokens,
                          max_requests_per_batch=int(max_batch), allow_block_sharing=False,
                          safety_margin=0.0, auto_switch_to_flash=False)
@@ -163,7 +168,7 @@ def run_hf(model, prompts: list, gen: list, arrivals, *, max_batch: int, progres
         if counts is not None:
             counts.reset()
         startup = time.perf_counter() - t0
-        run = _serve(manager, prompts, reqs, progress)
+        run = _serve(manager, prompts, reqs, progress, concurrency)
         ok = True
     finally:
         if manager.is_running():
@@ -199,8 +204,9 @@ def _next(manager, timeout: float):
     return out
 
 
-def _serve(manager, prompts, reqs, progress) -> dict:
-    """Submit each request once its arrival time has passed and collect the outputs."""
+def _serve(manager, prompts, reqs, progress, concurrency=None) -> dict:
+    """Submit each request once its arrival time has passed (and, closed loop, once fewer than
+    `concurrency` are in flight: it arrives then) and collect the outputs."""
     n = len(reqs)
     tokens: list = [None] * n
     order = sorted(range(n), key=lambda i: (reqs[i].arrival, i))
@@ -211,15 +217,19 @@ def _serve(manager, prompts, reqs, progress) -> dict:
     def now():
         return time.perf_counter() - start
 
+    def gated():
+        return concurrency is not None and next_arrival - done >= concurrency
+
     while done < n:
-        while next_arrival < n and reqs[order[next_arrival]].arrival <= now():
+        while next_arrival < n and reqs[order[next_arrival]].arrival <= now() and not gated():
             i = order[next_arrival]
+            reqs[i].arrival = max(reqs[i].arrival, now()) if concurrency else reqs[i].arrival
             manager.add_request(prompts[i].tolist(), request_id=f"r{i}",
                                 max_new_tokens=reqs[i].gen, record_timestamps=True,
                                 eos_token_id=NO_EOS)
             next_arrival += 1
         wait = PROGRESS_EVERY
-        if next_arrival < n:
+        if next_arrival < n and not gated():
             wait = min(wait, max(0.0, reqs[order[next_arrival]].arrival - now()))
         out = _next(manager, wait)
         if out is not None:

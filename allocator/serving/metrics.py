@@ -67,7 +67,8 @@ def summarise(trace, policy, setup, results, reqs, replicas, dropped, truncated,
         "steps": int(tot["steps"]),
         "mean_step_s": decode / tot["steps"] if tot["steps"] else None,
         "step_time_share": {k: tot[k] / decode for k in ("kv", "weights", "overheads",
-                                                         "allreduce", "compute")},
+                                                         "allreduce", "compute",
+                                                         "prefill_chunks")},
         "compute_bound_step_share": tot["compute_bound_steps"] / tot["steps"]
         if tot["steps"] else None,
         "busy_time_share": {k: tot[k] / busy if busy else None
@@ -83,10 +84,14 @@ def summarise(trace, policy, setup, results, reqs, replicas, dropped, truncated,
         "wall_seconds": wall,
         "settings": {
             "model": setup.model.name, "dtype": setup.dtype, "device": setup.device.name,
+            "device_file": setup.device.file,
             "tp": setup.tp, "replicas": replicas, "max_model_len": setup.max_model_len,
             "max_batch": setup.max_batch, "mfu": setup.mfu, "page_tokens": setup.page_tokens,
             "predictor": "oracle" if policy == "oracle" else setup.predictor,
-            "prefill": "whole prompts, prefill-first (vLLM v0)",
+            "prefill": ("whole prompts, prefill-first (vLLM v0)"
+                        if setup.max_batched_tokens is None else
+                        f"chunked, {setup.max_batched_tokens} tokens per step (vLLM v1)"),
+            "concurrency": setup.concurrency,
             "dispatch": "round robin" if replicas > 1 else None,
             "kv_bytes_per_token_per_card": setup.kv_bytes_per_token,
             "weight_bytes_per_card": setup.weight_bytes, "seed": setup.seed,

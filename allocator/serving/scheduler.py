@@ -158,10 +158,19 @@ class WaitingQueue:
 
 class Scheduler:
     """Every decision of one replica serving its requests, on a KV allocator, with an optional
-    prefix cache (vLLM v0 style, iteration level):
+    prefix cache, iteration level:
+    - arrivals: a request is sent at its arrival time; with `concurrency` C (closed loop, as
+      `vllm bench serve --max-concurrency C` makes it) at most C are in flight, and the m-th
+      request (in arrival order) is sent no earlier than the (m - C + 1)-th completion;
     - admission: waiting requests in the queue's order while the allocator can reserve their KV
-      (no skipping), the batch holds at most max_batch requests and the admitted prompts at
-      most max_prefill tokens; a cached prefix is restored into the new block;
+      (the whole context: prompt and, after a preemption, what it made; no skipping) and the
+      batch holds at most max_batch requests; a cached prefix is restored into the new block.
+      Prefill-first (vLLM v0, max_batched_tokens None): the admitted prompts hold at most
+      max_prefill tokens and run as one prefill iteration before decoding goes on. Chunked
+      (vLLM v1's default): every step has a budget of max_batched_tokens tokens: one per running
+      request's decode, then chunks of the prompts being prefilled in admission order, then
+      new admissions while budget is left, each taking what is left (chunks()); a prefilling
+      request joins the decodes after the step that computes its last prompt token;
     - after its prefill a request has made its first token; every decode step makes one more for
       every running request. A request making its j-th token holds prompt + j tokens of KV (the
       slot of the token being made included); when that outgrows its block it grows (the
@@ -176,12 +185,15 @@ class Scheduler:
 
     def __init__(self, alloc, predictor, requests: list, *, max_batch: int, max_prefill: int,
                  bytes_per_token: int, cache=None, schedule: str = "fcfs", prefetch: int = 0,
-                 tot=None, migrate=None, log: list | None = None):
+                 tot=None, migrate=None, log: list | None = None,
+                 max_batched_tokens: int | None = None, concurrency: int | None = None):
+        check_scheduling(max_batch, max_batched_tokens, concurrency)
         self.alloc = alloc
         self.predictor = predictor
         self.reqs = requests
         self.max_batch = max_batch
         self.max_prefill = max_prefill
+        self.max_batched_tokens = max_batched_tokens
         self.bpt = bytes_per_token
         self.cache = cache
         self.prefetch_depth = prefetch
@@ -191,25 +203,64 @@ class Scheduler:
                                     lambda i: reqs[i].prefix or None,
                                     lambda key: DISTANCE[cache.lookup(key)[0]])
         self.running: dict = {}
+        self.prefilling: dict = {}     # admitted, prompt not all computed (chunked): in order
         self.done = 0
         self.migrate = migrate
         self.log = log
+        self.order = sorted(range(len(reqs)), key=lambda i: (reqs[i].arrival, i))
+        self.sent = 0                  # requests of `order` sent so far
+        self.concurrency = concurrency
+        self.finish_times: list = []   # of the completions, in the order they came
+
+    @property
+    def chunked(self) -> bool:
+        return self.max_batched_tokens is not None
+
+    # -- arrivals ------------------------------------------------------------------------------
+    def next_send(self) -> float | None:
+        """When the next request is sent: its arrival, or later the completion that frees its
+        place in a closed loop; None when none is left or its place is not free yet."""
+        m = self.sent
+        if m >= len(self.order):
+            return None
+        t = self.reqs[self.order[m]].arrival
+        c = self.concurrency
+        if c is not None and m >= c:
+            if len(self.finish_times) <= m - c:
+                return None
+            t = max(t, self.finish_times[m - c])
+        return t
+
+    def arrive(self, now: float) -> None:
+        """Queue every request sent by `now`; a closed loop's request arrives when sent."""
+        while True:
+            t = self.next_send()
+            if t is None or t > now:
+                return
+            i = self.order[self.sent]
+            self.reqs[i].arrival = t
+            self.waiting.append(i)
+            self.sent += 1
 
     def tier_of(self, r):
         """The cache tier holding r's prefix, or None."""
         return self.cache.lookup(r.prefix)[0] if self.cache is not None and r.prefix else None
 
-    def admit(self, now: float) -> tuple[list, float]:
+    def admit(self, now: float, budget: int | None = None) -> tuple[list, float]:
         """Admit from the queue: ([(id, request, tokens held, tokens the cache covered)],
-        seconds of the prefix restores). Raises BadArgument for a request that does not fit in
-        an empty pool (it never could)."""
+        seconds of the prefix restores). Prefill-first (budget None): while the prompts fit in
+        max_prefill tokens; chunked: while the `budget` of tokens to compute is not spent.
+        Raises BadArgument for a request that does not fit in an empty pool (it never could)."""
         admitted, tokens, restore = [], 0, 0.0
         waiting, cache, tot = self.waiting, self.cache, self.tot
-        while waiting and len(self.running) + len(admitted) < self.max_batch:
+        while waiting and (len(self.running) + len(self.prefilling) + len(admitted)
+                           < self.max_batch):
+            if budget is not None and tokens >= budget:
+                break
             i = waiting.head(now)
             r = self.reqs[i]
             held = r.prompt + r.made               # a rerun recomputes what it made
-            if admitted and tokens + held > self.max_prefill:
+            if budget is None and admitted and tokens + held > self.max_prefill:
                 break
             if r.predicted is None:
                 r.predicted = self.predictor.predict(_request(i, r))
@@ -217,7 +268,7 @@ class Scheduler:
             try:
                 blk = self.alloc.reserve(i, held, max(0.0, L - r.made), u)
             except OutOfMemory:
-                if not self.running and not admitted:
+                if not self.running and not self.prefilling and not admitted:
                     raise BadArgument(
                         f"request {i} ({r.prompt} + {r.gen} tokens) does not fit in an empty KV "
                         f"pool of {self.alloc.pool_bytes / 1e9:.2f} GB") from None
@@ -249,6 +300,40 @@ class Scheduler:
         for key in keys:
             self.waiting.moved(key)
         return secs
+
+    def chunks(self, now: float, budget: int) -> tuple[list, list, float]:
+        """Chunked prefill: the prompt chunks of this step, [(id, request, first position,
+        tokens)], within `budget` tokens (what the decodes left), admitting new requests while
+        budget is left; the admitted (as admit() gives them) and seconds of their prefix
+        restores."""
+        out = []
+        for i, r in self.prefilling.items():
+            if budget <= 0:
+                break
+            n = min(r.prompt + r.made - r.prefilled, budget)
+            out.append((i, r, r.prefilled, n))
+            self._note("chunk", i)
+            budget -= n
+        admitted, restore = [], 0.0
+        if budget > 0 and self.waiting:
+            admitted, restore = self.admit(now, budget)
+            for i, r, held, covered in admitted:
+                r.prefilled = covered
+                self.prefilling[i] = r
+                n = min(held - covered, budget)
+                out.append((i, r, covered, n))
+                self._note("chunk", i)
+                budget -= n
+        return out, admitted, restore
+
+    def chunk_done(self, i, r, n: int) -> bool:
+        """A step computed n more prompt tokens of request i: whether its prefill is complete
+        (the caller then goes on as after a prefill: made_first_token, run_on)."""
+        r.prefilled += n
+        if r.prefilled < r.prompt + r.made:
+            return False
+        del self.prefilling[i]
+        return True
 
     def made_first_token(self, i, r, t: float) -> bool:
         """Request i made its first token (of this admission) in a prefill ending at t; whether
@@ -288,6 +373,7 @@ class Scheduler:
     def preempt(self, i, r) -> None:
         self._note("preempt", i)
         self.running.pop(i, None)
+        self.prefilling.pop(i, None)
         self.alloc.release(i, preempted=True)
         r.epoch += 1
         r.preemptions += 1
@@ -318,12 +404,26 @@ class Scheduler:
         r.made = r.gen
         r.finish = t
         self.done += 1
+        self.finish_times.append(t)
         return offered
 
 
     def _note(self, what: str, i) -> None:
         if self.log is not None:
             self.log.append((what, i))
+
+
+def check_scheduling(max_batch: int, max_batched_tokens: int | None,
+                     concurrency: int | None) -> None:
+    """BadArgument for settings no scheduler can run: vLLM's rule that a step's token budget
+    holds at least one decode token per running request."""
+    if max_batched_tokens is not None and not (isinstance(max_batched_tokens, int)
+                                               and max_batched_tokens >= max_batch):
+        raise BadArgument(f"--max-num-batched-tokens {max_batched_tokens} must be an integer of "
+                          f"at least --max-batch ({max_batch}): every running request decodes "
+                          f"one token per step within that budget")
+    if concurrency is not None and not (isinstance(concurrency, int) and concurrency >= 1):
+        raise BadArgument(f"--concurrency must be a positive integer, got {concurrency!r}")
 
 
 DISTANCE = {"device": 0, "host": 1, "disk": 2, None: 3}   # a tier's distance from the device

@@ -28,7 +28,6 @@ engine and `simulate` can differ in time, never in decisions.
 
 from __future__ import annotations
 
-import collections
 import importlib
 import math
 import pathlib
@@ -44,7 +43,7 @@ from allocator.policies import make_allocator
 from allocator.predictors import make_predictor
 from allocator.serving.engine import RequestState
 from allocator.serving.models import DTYPES, head_dim, kv_bytes_per_token, need
-from allocator.serving.scheduler import Scheduler
+from allocator.serving.scheduler import Scheduler, check_scheduling
 
 import torch  # noqa: E402  (only `odma-hw engine` imports this module: torch is its to need)
 
@@ -206,44 +205,45 @@ class Runner:
         return self.inner.norm(x)
 
     @torch.no_grad()
-    def prefill(self, batch):
-        """Run each (request i, its tokens ids) of `batch` causally from position 0, storing
-        their KV; the logits of each one's last position, (len(batch), vocab). The tokens of the
-        whole batch go through the projections and MLPs together (one wide matrix product, as
-        a serving engine packs a prefill); attention stays within each request."""
-        sizes = [ids.numel() for _, ids in batch]
+    def forward(self, batch):
+        """One step over `batch`: (request i, its next token ids, the position of the first):
+        a decode is one token after its context, a prefill or a prompt chunk several. Every
+        token of the step goes through the projections and MLPs as one packed matrix product
+        (as a serving engine packs a step); each request's tokens store their K and V in its
+        block and attend causally over its KV up to them. The logits of each one's last token,
+        (len(batch), vocab)."""
+        sizes = [ids.numel() for _, ids, _ in batch]
         ends = np.cumsum(sizes)
-        x = self.inner.embed_tokens(torch.cat([ids for _, ids in batch])[None].to(self.device))
-        pos = torch.cat([torch.arange(n) for n in sizes])[None].to(self.device)
+        x = self.inner.embed_tokens(torch.cat([ids for _, ids, _ in batch])[None].to(self.device))
+        pos = torch.cat([torch.arange(start, start + n) for (_, _, start), n in
+                         zip(batch, sizes)])[None].to(self.device)
         sdpa = torch.nn.functional.scaled_dot_product_attention
 
         def attend(layer, q, k, v):
             out = []
-            for (i, _), end, n in zip(batch, ends, sizes):
+            for (i, _, start), end, n in zip(batch, ends, sizes):
                 part = slice(end - n, end)
-                self.kv.write(i, layer, 0, k[0, :, part], v[0, :, part])
-                out.append(sdpa(q[:, :, part], k[:, :, part], v[:, :, part], is_causal=True,
+                self.kv.write(i, layer, start, k[0, :, part], v[0, :, part])
+                if start == 0:         # a whole prompt: its own K and V, no read back
+                    K, V, mask, causal = k[:, :, part], v[:, :, part], None, n > 1
+                else:                  # what its block holds, the new tokens included
+                    K, V = (t[None] for t in self.kv.read(i, layer, start + n))
+                    mask, causal = (None if n == 1 else torch.ones(
+                        n, start + n, dtype=torch.bool, device=self.device).tril(start)), False
+                out.append(sdpa(q[:, :, part], K, V, attn_mask=mask, is_causal=causal,
                                 enable_gqa=True))
             return torch.cat(out, dim=2)
         return self.model.lm_head(self._layers(x, pos, attend)[0, ends - 1])
 
-    @torch.no_grad()
+    def prefill(self, batch):
+        """Run each (request i, its token ids) of `batch` causally from position 0."""
+        return self.forward([(i, ids, 0) for i, ids in batch])
+
     def decode(self, ids, positions, requests):
         """One decode step: token ids[b] of request requests[b] at position positions[b];
         (batch, vocab) logits."""
-        x = self.inner.embed_tokens(torch.as_tensor(ids, device=self.device)[:, None])
-        pos = torch.as_tensor(positions, device=self.device)[:, None]
-        sdpa = torch.nn.functional.scaled_dot_product_attention
-
-        def attend(layer, q, k, v):
-            out = []
-            for j, i in enumerate(requests):
-                p = positions[j]
-                self.kv.write(i, layer, p, k[j], v[j])
-                K, V = self.kv.read(i, layer, p + 1)
-                out.append(sdpa(q[j:j + 1], K[None], V[None], enable_gqa=True))
-            return torch.cat(out)
-        return self.model.lm_head(self._layers(x, pos, attend)[:, 0])
+        return self.forward([(i, torch.tensor([t]), p)
+                             for t, p, i in zip(ids, positions, requests)])
 
 
 # ----------------------------------------------------------------------------- serving
@@ -257,9 +257,11 @@ def prompt_ids(n_requests: int, lengths, vocab: int, seed: int) -> list:
 def serve(model, prompts: list, gen: list, arrivals, policy: str, *, pool_bytes: int,
           max_model_len: int, max_batch: int = 256, max_prefill: int = 0, page_tokens: int = 16,
           predictor: str = "online", seed: int = 0, config: AllocatorConfig | None = None,
+          max_batched_tokens: int | None = None, concurrency: int | None = None,
           progress=None, log: list | None = None, keep_logits: bool = False) -> dict:
     """Serve the requests (prompt token ids, tokens to make, arrival seconds from the start) with
-    `policy`; their tokens, times, and the allocator's and scheduler's counts."""
+    `policy`, prefill-first or chunked (max_batched_tokens), open or closed loop (concurrency);
+    their tokens, times, and the allocator's and scheduler's counts."""
     dev = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
     spec = f"torch:{dev}"
@@ -267,101 +269,143 @@ def serve(model, prompts: list, gen: list, arrivals, policy: str, *, pool_bytes:
     reqs = [RequestState(i, int(prompts[i].numel()), int(gen[i]), float(arrivals[i]))
             for i in range(n)]
     bpt = kv_bytes_per_token(model.config, str(dtype).removeprefix("torch."))
+    check_scheduling(max_batch, max_batched_tokens, concurrency)
     alloc = make_allocator(policy, spec, pool_bytes, bpt, max_model_len,
                            config or AllocatorConfig(background_refresh=False),
                            page_tokens=page_tokens)
     try:
-        return _serve(model, alloc, reqs, prompts, policy, bpt, max_batch,
-                      max_prefill or max(max_model_len, 2048), predictor, seed, progress, log,
-                      keep_logits)
+        kv = BlockKV(alloc, model.config, dtype)
+        sched = Scheduler(alloc, make_predictor("oracle" if policy == "oracle" else predictor,
+                                                seed=seed), reqs,
+                          max_batch=max_batch, max_prefill=max_prefill or max(max_model_len, 2048),
+                          bytes_per_token=bpt, migrate=None if kv.paged else kv.migrate, log=log,
+                          max_batched_tokens=max_batched_tokens, concurrency=concurrency)
+        return _Serving(Runner(model, kv), sched, prompts, keep_logits).run(progress)
     finally:
         alloc.close()
 
 
-def _serve(model, alloc, reqs, prompts, policy, bpt, max_batch, max_prefill, predictor, seed,
-           progress, log, keep_logits) -> dict:
-    kv = BlockKV(alloc, model.config, next(model.parameters()).dtype)
-    runner = Runner(model, kv)
-    tot = collections.Counter()
-    sched = Scheduler(alloc, make_predictor("oracle" if policy == "oracle" else predictor,
-                                            seed=seed), reqs,
-                      max_batch=max_batch, max_prefill=max_prefill, bytes_per_token=bpt,
-                      tot=tot, migrate=None if kv.paged else kv.migrate, log=log)
-    n = len(reqs)
-    made = [[] for _ in range(n)]            # tokens made, kept across preemptions
-    top = [[] for _ in range(n)]             # (values, indices) of the top logits per token
-    order = sorted(range(n), key=lambda i: (reqs[i].arrival, i))
-    running, waiting = sched.running, sched.waiting
-    next_arrival, peak_batch, steps, batch_sum = 0, 0, 0, 0
-    start = time.perf_counter()
-    last_progress = start
+class _Serving:
+    """The engine's loop: the Scheduler decides, the Runner executes, one step at a time."""
 
-    def now():
-        return time.perf_counter() - start
+    def __init__(self, runner, sched, prompts, keep_logits):
+        self.runner = runner
+        self.sched = sched
+        self.prompts = prompts
+        self.keep_logits = keep_logits
+        n = len(prompts)
+        self.made = [[] for _ in range(n)]      # tokens made, kept across preemptions
+        self.top = [[] for _ in range(n)]       # (values, indices) of the top logits per token
+        self.steps = self.batch_sum = self.peak_batch = 0
+        self.start = time.perf_counter()
 
-    def emit(i, logits) -> None:
-        made[i].append(int(torch.argmax(logits)))
-        if keep_logits:
+    def now(self) -> float:
+        return time.perf_counter() - self.start
+
+    def emit(self, i, logits) -> None:
+        self.made[i].append(int(torch.argmax(logits)))
+        if self.keep_logits:
             v, ix = torch.topk(logits.float(), min(LOGIT_CHECK_K, logits.numel()))
-            top[i].append((v.cpu(), ix.cpu()))
+            self.top[i].append((v.cpu(), ix.cpu()))
 
-    while sched.done < n:
-        while next_arrival < n and reqs[order[next_arrival]].arrival <= now():
-            waiting.append(order[next_arrival])
-            next_arrival += 1
-        if waiting and len(running) < max_batch:
-            admitted, _ = sched.admit(now())
-            if admitted:
-                # a rerun's context is its prompt and every token it made
-                batch = [(i, torch.cat([prompts[i], torch.tensor(made[i],
-                                                                 dtype=prompts[i].dtype)]))
-                         for i, _, _, _ in admitted]
-                for (i, _), logits in zip(batch, runner.prefill(batch)):
-                    emit(i, logits)
-                t = now()
-                for i, r, _, _ in admitted:
-                    if sched.made_first_token(i, r, t):
-                        sched.finish(i, r, t)
-                        continue
-                    try:
-                        sched.run_on(i, r)
-                    except OutOfMemory:
-                        sched.preempt(i, r)
-                peak_batch = max(peak_batch, len(running))
-                continue
-        if not running:
-            if next_arrival >= n:
-                raise RuntimeError("engine stalled: requests wait and nothing runs")
-            time.sleep(max(0.0, min(0.05, reqs[order[next_arrival]].arrival - now())))
-            continue
-        ids = sorted(running)
-        # each feeds its last token, at the position after its context
-        logits = runner.decode([made[i][-1] for i in ids],
-                               [reqs[i].prompt + reqs[i].made - 1 for i in ids], ids)
-        for j, i in enumerate(ids):
-            emit(i, logits[j])
-            reqs[i].made += 1
-        steps += 1
-        batch_sum += len(ids)
-        t = now()
-        for i in ids:                       # completions, then growth, in request order
+    def context(self, i):
+        """Request i's context: its prompt and, after a preemption, every token it made."""
+        p = self.prompts[i]
+        return torch.cat([p, torch.tensor(self.made[i], dtype=p.dtype)])
+
+    def prefilled(self, i, r, t) -> None:
+        """Request i's prefill completed (its first token made): it finishes, or joins the
+        decodes, or is preempted."""
+        sched = self.sched
+        if sched.made_first_token(i, r, t):
+            sched.finish(i, r, t)
+            return
+        try:
+            sched.run_on(i, r)
+        except OutOfMemory:
+            sched.preempt(i, r)
+
+    def decoded(self, ids, t) -> None:
+        """The running requests `ids` each made a token: completions, then growth for the next
+        token's slot, in request order."""
+        sched, reqs = self.sched, self.sched.reqs
+        for i in ids:
             r = reqs[i]
             if r.made >= r.gen:
                 sched.finish(i, r, t)
         for i in ids:
             r = reqs[i]
-            if i in running and r.prompt + r.made + 1 > alloc.block(i).capacity_tokens:
+            if i in sched.running and r.prompt + r.made + 1 > \
+                    sched.alloc.block(i).capacity_tokens:
                 try:
                     sched.grow(i, r.prompt + r.made + 1)
                 except OutOfMemory:
                     sched.preempt(i, r)
-        if progress and time.perf_counter() - last_progress > 1.0:
-            last_progress = time.perf_counter()
-            progress(sched.done, n, now())
-    return {"requests": reqs, "tokens": made, "top_logits": top if keep_logits else None,
-            "seconds": now(), "steps": steps, "batch_sum": batch_sum, "peak_batch": peak_batch,
-            "preemptions": int(tot["preemptions"]), "allocator": alloc.stats(),
-            "used_tokens": alloc.used_tokens_sum, "reserved_tokens": alloc.reserved_tokens_sum}
+
+    def step(self) -> bool:
+        """One prefill iteration or one (decode or mixed) step; whether anything ran."""
+        sched, reqs, made = self.sched, self.sched.reqs, self.made
+        running = sched.running
+        chunks = []
+        if not sched.chunked and sched.waiting and len(running) < sched.max_batch:
+            admitted, _ = sched.admit(self.now())
+            if admitted:
+                batch = [(i, self.context(i), 0) for i, _, _, _ in admitted]
+                for (i, _, _), logits in zip(batch, self.runner.forward(batch)):
+                    self.emit(i, logits)
+                t = self.now()
+                for i, r, _, _ in admitted:
+                    self.prefilled(i, r, t)
+                self.peak_batch = max(self.peak_batch, len(running))
+                return True
+        elif sched.chunked and len(running) < sched.max_batched_tokens and \
+                (sched.prefilling or sched.waiting):
+            chunks, _, _ = sched.chunks(self.now(), sched.max_batched_tokens - len(running))
+        ids = sorted(running)
+        if not ids and not chunks:
+            return False
+        # each decode feeds its last token, at the position after its context
+        batch = [(i, torch.tensor(made[i][-1:]), reqs[i].prompt + reqs[i].made - 1)
+                 for i in ids]
+        batch += [(i, self.context(i)[start:start + k], start) for i, _, start, k in chunks]
+        logits = self.runner.forward(batch)
+        for j, i in enumerate(ids):
+            self.emit(i, logits[j])
+            reqs[i].made += 1
+        if ids:
+            self.steps += 1
+            self.batch_sum += len(ids)
+        t = self.now()
+        self.decoded(ids, t)
+        for j, (i, r, _, k) in enumerate(chunks):
+            if sched.chunk_done(i, r, k):
+                self.emit(i, logits[len(ids) + j])
+                self.prefilled(i, r, t)
+        self.peak_batch = max(self.peak_batch, len(running))
+        return True
+
+    def run(self, progress) -> dict:
+        sched = self.sched
+        n = len(sched.reqs)
+        last_progress = time.perf_counter()
+        while sched.done < n:
+            sched.arrive(self.now())
+            if not self.step():
+                t = sched.next_send()
+                if t is None:
+                    raise RuntimeError("engine stalled: requests wait and nothing runs")
+                time.sleep(max(0.0, min(0.05, t - self.now())))
+                continue
+            if progress and time.perf_counter() - last_progress > 1.0:
+                last_progress = time.perf_counter()
+                progress(sched.done, n, self.now())
+        alloc, tot = sched.alloc, sched.tot
+        return {"requests": sched.reqs, "tokens": self.made,
+                "top_logits": self.top if self.keep_logits else None,
+                "seconds": self.now(), "steps": self.steps, "batch_sum": self.batch_sum,
+                "peak_batch": self.peak_batch, "preemptions": int(tot["preemptions"]),
+                "allocator": alloc.stats(), "used_tokens": alloc.used_tokens_sum,
+                "reserved_tokens": alloc.reserved_tokens_sum}
 
 
 # ----------------------------------------------------------------------------- the check
