@@ -7,7 +7,10 @@ rates prints one row per rate and policy.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
+
+import numpy as np
 
 from odma_hw import argtypes, jsonout, plotting
 from odma_hw.commands import ValueCheck
@@ -18,7 +21,9 @@ from allocator.policies import POLICIES
 from allocator.replay import add_policy_arguments
 from allocator.serving.engine import (PAGED_LAYOUTS, SCHEDULES, PrefixSettings, ServingSetup,
                                      check_policy, fit_lengths, progress_printer, run_policy)
-from allocator.serving.presets import ACCELERATORS, MODEL_ALIASES, MODELS, accelerator, model_spec
+from allocator.serving.models import shipped_configs
+from allocator.serving.presets import (DTYPE_BYTES, MODEL_ALIASES, MODELS, accelerator,
+                                      card_names, model_spec)
 from allocator.serving.timing import EmuSettings, make_timing
 from allocator.trace import (RequestTrace, arrival_seconds, load_trace, load_trace_once,
                              trace_check)
@@ -26,7 +31,18 @@ from allocator.trace import (RequestTrace, arrival_seconds, load_trace, load_tra
 EVICTIONS = ("lru", "fifo", "random")
 
 SCHEMA = "odma-hw.simulate/1"
+LIST_SCHEMA = "odma-hw.simulate-list/1"
 DEFAULT_POLICIES = "odma,static,paged"
+DEFAULT_MFU = 0.5                       # prefill compute efficiency where the card gives none
+
+
+def card_emu(dev, channels=None, **settings) -> EmuSettings:
+    """The emulator settings of a card: its emu preset and channels (channels overrides them);
+    a card timed otherwise keeps EmuSettings' preset, used only when --timing names emu."""
+    kind, _, preset = dev.timing.partition(":")
+    if kind == "emu":
+        settings["preset"] = preset
+    return EmuSettings(channels=channels or dev.emu_channels, **settings)
 
 
 def parse_policies(text: str, extra: tuple = ()) -> list[str]:
@@ -41,6 +57,19 @@ def parse_policies(text: str, extra: tuple = ()) -> list[str]:
 
 
 
+def add_scheduling_arguments(p) -> None:
+    """How steps are filled and requests sent: simulate's and the engine's."""
+    p.add_argument("--max-num-batched-tokens", type=argtypes.positive_int, default=None,
+                   metavar="N",
+                   help="chunked prefill (vLLM v1's default): at most N tokens per step, one "
+                        "per running request's decode and the rest prompt chunks; at least "
+                        "--max-batch (default: off, whole prompts run first, as vLLM v0)")
+    p.add_argument("--concurrency", type=argtypes.positive_int, default=None, metavar="C",
+                   help="closed loop, as vllm bench serve --max-concurrency C: at most C "
+                        "requests in flight, the next sent when one completes (at its --rate "
+                        "time if later; without --rate all are ready at once)")
+
+
 def simulate(trace, policies=("odma", "static", "paged"), rates=(None,), *,
              model="deepseek-r1-distill-qwen-7b", device="mlu370-x4", timing=None,
              emu: EmuSettings | None = None, dtype="bf16", tp=1, replicas=1, requests=None,
@@ -48,12 +77,14 @@ def simulate(trace, policies=("odma", "static", "paged"), rates=(None,), *,
              prefix: PrefixSettings | None = None, progress=False, results: list | None = None,
              failed: list | None = None, check_only=False, **setup_args) -> list[dict]:
     """Simulate every (rate, policy) pair; returns one result dict per pair, rates outermost.
-    `trace` is a RequestTrace or a CSV path; `timing` a source string (default: the device's
-    emulated memory, emu:<its preset>); `emu` the emulator settings of an emu source; `prefix`
-    a prefix cache in front of prefill (the trace must name prefixes). `results`: the list each
-    finished run is appended to (default a new one), so that a caller keeps the finished runs
-    when a later one is interrupted. `failed`: where given, a run that fails after the checks
-    is recorded there as {"policy", "rate", "error"} and the others go on; else it raises.
+    `trace` is a RequestTrace or a CSV path; `device` a preset card's name or a card file;
+    `timing` a source string (default: the card's); `emu` the emulator settings of an emu
+    source (default: the card's); mfu (in setup_args) defaults to the card's, else DEFAULT_MFU;
+    `prefix` a prefix cache in front of prefill (the trace must name prefixes). `results`: the
+    list each finished run is appended to (default a new one), so that a caller keeps the
+    finished runs when a later one is interrupted. `failed`: where given, a run that fails after
+    the checks is recorded there as {"policy", "rate", "error"} and the others go on; else it
+    raises.
     check_only: make every check that needs no measurement nor simulation, and return []."""
     if not isinstance(trace, RequestTrace):
         trace = load_trace(trace)
@@ -68,13 +99,21 @@ def simulate(trace, policies=("odma", "static", "paged"), rates=(None,), *,
     m, dev = model_spec(model), accelerator(device)
     if not (isinstance(replicas, int) and replicas >= 1):
         raise BadArgument(f"replicas must be a positive integer, got {replicas!r}")
-    emu = emu or EmuSettings(preset=dev.emu_preset, channels=dev.emu_channels)
-    source = timing or f"emu:{dev.emu_preset}"
+    emu = emu or card_emu(dev)
+    source = timing or dev.timing
+    if setup_args.get("mfu") is None:
+        setup_args["mfu"] = DEFAULT_MFU if dev.mfu is None else dev.mfu
     setup = ServingSetup(m, dev, None, dtype=dtype, tp=tp, max_model_len=max_model_len or 0,
                          config=config or AllocatorConfig(background_refresh=False), seed=seed,
                          **setup_args)
     # every check that can fail before the timing source runs the emulator
-    arrivals = [arrival_seconds(trace, rate, time_scale, seed) for rate in rates]
+    # a closed loop without a rate sends as fast as places free, as vllm bench serve does
+    closed = setup_args.get("concurrency") is not None
+    arrivals = [np.zeros(len(trace)) if closed and rate is None
+                else arrival_seconds(trace, rate, time_scale, seed) for rate in rates]
+    if closed and setup_args["concurrency"] % replicas:
+        raise BadArgument(f"--concurrency {setup_args['concurrency']} does not split evenly "
+                          f"over {replicas} replicas (each keeps its share in flight)")
     _, _, _, setup.max_model_len, _, _ = fit_lengths(trace, max_model_len, m, clip)
     for p in policies:
         check_policy(setup, p, prefix)
@@ -197,10 +236,9 @@ def compute(args, results: list | None = None, failed: list | None = None,
                              large_share=args.large_share, cold_start=args.cold_start,
                              background_refresh=False)
     dev = accelerator(args.device)
-    emu = EmuSettings(preset=dev.emu_preset,
-                      channels=args.channels if args.channels else dev.emu_channels,
-                      interleave=args.interleave, address_map=args.address_map,
-                      queue=args.queue, streams=args.streams, chunk_bytes=args.chunk_bytes)
+    emu = card_emu(dev, args.channels, interleave=args.interleave,
+                   address_map=args.address_map, queue=args.queue, streams=args.streams,
+                   chunk_bytes=args.chunk_bytes)
     prefix = None
     if args.prefix_cache:
         prefix = PrefixSettings(device_gb=args.cache_device_gb, host_gb=args.cache_host_gb,
@@ -219,7 +257,8 @@ def compute(args, results: list | None = None, failed: list | None = None,
         progress=not args.json or sys.stderr.isatty(),
         max_batch=args.max_batch, mfu=args.mfu, memory_utilization=args.memory_utilization,
         kv_pool_gb=args.kv_pool_gb, paged_layout=args.layout, page_tokens=args.page_tokens,
-        predictor=args.predictor, results=results, failed=failed, check_only=check_only)
+        predictor=args.predictor, max_batched_tokens=args.max_num_batched_tokens,
+        concurrency=args.concurrency, results=results, failed=failed, check_only=check_only)
     return {"schema": SCHEMA, "results": results, "failed": failed or []}
 
 
@@ -234,7 +273,49 @@ def _show(args, results: list[dict], failed: list[dict]) -> None:
         print(format_table(results))
 
 
+def list_doc() -> dict:
+    """What --list shows: the models --model takes by name and the preset cards."""
+    models = []
+    for name in [*MODELS, *MODEL_ALIASES, *shipped_configs()]:
+        m = model_spec(name)
+        kind = ("alias" if name in MODEL_ALIASES else "preset" if name in MODELS
+                else "shipped config")
+        models.append({"name": name, "kind": kind, "alias_of": MODEL_ALIASES.get(name),
+                       "layers": m.layers, "params": m.params,
+                       "kv_bytes_per_token": m.kv_bytes_per_token,
+                       "max_context": m.max_context})
+    cards = [dataclasses.asdict(accelerator(name)) for name in card_names()]
+    return {"schema": LIST_SCHEMA, "models": models, "cards": cards}
+
+
+def format_list(doc: dict) -> str:
+    def table(head, rows):
+        rows = [head] + rows
+        widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+        return [lines[0], "-" * max(map(len, lines))] + lines[1:]
+
+    out = ["models (--model; also any Hugging Face config.json):"]
+    out += table(["model", "kind", "layers", "params", "KV B/token", "max context"],
+                 [[m["name"], m["kind"] + (f" of {m['alias_of']}" if m["alias_of"] else ""),
+                   str(m["layers"]), f"{m['params'] / 1e9:.2f}B" if m["params"] >= 1e8
+                   else f"{m['params'] / 1e6:.2f}M",
+                   str(m["kv_bytes_per_token"]), str(m["max_context"])]
+                  for m in doc["models"]])
+    out += ["", "cards (--device; also any card file, TOML or JSON):"]
+    out += table(["card", "GB/s", "GB", "TFLOPS bf16", "timing", "file"],
+                 [[c["name"], f"{c['bandwidth_gbps']:g}", f"{c['capacity_gb']:g}",
+                   f"{c['tflops_bf16']:g}", c["timing"], c["path"]] for c in doc["cards"]])
+    return "\n".join(out)
+
+
 def _cmd(args) -> int:
+    if args.list:
+        doc = list_doc()
+        print(jsonout.dumps(doc, indent=1) if args.json else format_list(doc))
+        return 0
+    if args.trace is None:
+        raise BadArgument("simulate needs --trace CSV (or --list)")
     if args.plot:
         plotting.check_plot_path(args.plot)
     results: list[dict] = []
@@ -262,6 +343,10 @@ ROW_KEYS = ("policy", "rate")           # what tells apart the rows of one run
 
 def sweep_checks() -> list[ValueCheck]:
     """What simulate() refuses before any work, short of measuring (see odma_hw/commands.py)."""
+    def given(a):
+        if a.trace is None:
+            raise BadArgument("simulate needs --trace CSV")
+
     def fits(a):
         trace = load_trace_once(a.trace)
         if a.requests is not None:
@@ -270,25 +355,32 @@ def sweep_checks() -> list[ValueCheck]:
 
     def timing(a):
         dev = accelerator(a.device)
-        emu = EmuSettings(preset=dev.emu_preset, channels=a.channels or dev.emu_channels,
-                          interleave=a.interleave)
-        make_timing(a.timing or f"emu:{dev.emu_preset}", dev.bandwidth_gbps, emu,
-                    check_only=True)
+        emu = card_emu(dev, a.channels, interleave=a.interleave)
+        make_timing(a.timing or dev.timing, dev.bandwidth_gbps, emu, check_only=True)
 
     return [ValueCheck("policy", ("policy",), lambda a: parse_policies(a.policy)),
+            ValueCheck("trace", ("trace",), given),
             trace_check(),
             ValueCheck("max-model-len", ("trace", "requests", "max_model_len", "model", "clip"),
                        fits),
+            ValueCheck("device", ("device",), lambda a: accelerator(a.device)),
+            ValueCheck("dtype", ("dtype", "device"),
+                       lambda a: accelerator(a.device).peak_tflops(a.dtype)),
             ValueCheck("timing", ("timing", "device", "channels", "interleave"), timing)]
 
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
         "simulate", help="serving simulation: tokens/s of each KV allocation policy",
-        description=__doc__.split("\n\n")[0] + " Memory timing comes from the emulator (default: "
-        "the device's emulated DRAM), a probe JSON, or a live torch measurement.")
-    p.add_argument("--trace", required=True, metavar="CSV",
-                   help="request trace: num_prefill_tokens, num_decode_tokens [, arrived_at]")
+        description=__doc__.split("\n\n")[0] + " Memory timing comes from the card (a preset or a "
+        "card file): the emulator, a probe JSON or ideal; --timing also takes a live torch "
+        "measurement.")
+    p.add_argument("--trace", metavar="CSV",
+                   help="request trace: num_prefill_tokens, num_decode_tokens [, arrived_at] "
+                        "(required unless --list)")
+    p.add_argument("--list", action="store_true",
+                   help="print the models and the preset cards (with --json: one object, "
+                        f"{LIST_SCHEMA}) and exit")
     p.add_argument("--requests", type=argtypes.positive_int, default=None, metavar="N",
                    help="serve only the first N requests of the trace")
     p.add_argument("--rate", type=argtypes.positive_floats, default=None, metavar="R[,R...]",
@@ -305,19 +397,25 @@ def register(subparsers) -> None:
                    help=f"a preset ({', '.join(list(MODELS) + list(MODEL_ALIASES))}), a Hugging "
                         f"Face config.json or a directory holding one (default "
                         f"deepseek-r1-distill-qwen-7b)")
-    p.add_argument("--dtype", default="bf16", choices=["bf16", "int8"],
-                   help="weight type (KV stays bf16)")
-    p.add_argument("--device", default="mlu370-x4", choices=list(ACCELERATORS),
-                   help="card preset (default mlu370-x4; a100-80gb is the HBM contrast)")
+    p.add_argument("--dtype", default="bf16", choices=list(DTYPE_BYTES),
+                   help="weight type; KV stays bf16, but fp32 serves fp32 KV (as odma-hw's "
+                        "engine on CPU); int8 and fp32 need the card's tops_int8 / tflops_fp32")
+    p.add_argument("--device", default="mlu370-x4", metavar="CARD",
+                   help=f"a preset card ({', '.join(card_names())}; default mlu370-x4, "
+                        f"a100-80gb is the HBM contrast) or a card file: TOML, or JSON if named "
+                        f"*.json, with name, bandwidth_gbps, capacity_gb, tflops_bf16, timing "
+                        f"(emu:PRESET, probe:FILE or ideal), link_gbps, link_latency_us (see "
+                        f"--list and the README)")
     p.add_argument("--tp", type=argtypes.positive_int, default=1,
                    help="tensor-parallel cards per replica (default 1)")
     p.add_argument("--replicas", type=argtypes.positive_int, default=1,
                    help="independent replicas, requests dealt round robin (default 1)")
     p.add_argument("--timing", default=None, metavar="SOURCE",
-                   help="emu:PRESET (default: the device's), probe:FILE (odma-hw probe --json "
-                        "output) or live:torch:DEVICE")
+                   help="emu:PRESET, probe:FILE (odma-hw probe --json output), "
+                        "live:torch:DEVICE or ideal (every run at full bandwidth); default: "
+                        "the card's timing")
     p.add_argument("--channels", type=argtypes.positive_int, default=None,
-                   help="emulated channels (default: the device's)")
+                   help="emulated channels (default: the card's)")
     p.add_argument("--interleave", type=argtypes.positive_int, default=None, metavar="BYTES",
                    help="emulated channel-interleave granule (default 256)")
     p.add_argument("--address-map", default="bg", choices=["bg", "rbc", "xor"],
@@ -340,8 +438,10 @@ def register(subparsers) -> None:
                         "instead of refusing the trace")
     p.add_argument("--max-batch", type=argtypes.positive_int, default=256,
                    help="running requests at most (vLLM max_num_seqs, default 256)")
-    p.add_argument("--mfu", type=argtypes.positive_float, default=0.5,
-                   help="prefill compute efficiency, in (0, 1] (default 0.5)")
+    add_scheduling_arguments(p)
+    p.add_argument("--mfu", type=argtypes.positive_float, default=None,
+                   help=f"prefill compute efficiency, in (0, 1] (default: the card's mfu, "
+                        f"else {DEFAULT_MFU})")
     p.add_argument("--memory-utilization", type=argtypes.positive_float, default=0.9,
                    help="share of card memory for weights + KV (default 0.9)")
     p.add_argument("--kv-pool-gb", type=argtypes.positive_float, default=None,
@@ -366,7 +466,8 @@ def register(subparsers) -> None:
                    help="disk tier read bandwidth (default 3: an NVMe SSD)")
     c.add_argument("--disk-write-gbps", type=argtypes.positive_float, default=2.0,
                    help="disk tier write bandwidth (default 2)")
-    p.add_argument("--json", action="store_true", help=f"print one JSON object ({SCHEMA})")
+    p.add_argument("--json", action="store_true",
+                   help=f"print one JSON object ({SCHEMA}; with --list {LIST_SCHEMA})")
     p.add_argument("--series", action="store_true", help="with --json: include time series")
     p.add_argument("--plot", metavar="PNG",
                    help="tokens/s vs rate per policy; batch and KV occupancy over time")

@@ -3,17 +3,19 @@ a card reads, computes and talks to its peers.
 
 Model numbers are each model's published config.json (layers, hidden size, heads, KV heads, head
 dimension, FFN size, vocabulary, whether the embedding is tied); parameters are derived from
-them, not copied. Accelerator numbers carry their source in `source`; figures nobody publishes
-(MLU370-X4's own FLOPS, its per-kernel overheads) are marked as assumptions there.
+them, not copied. Accelerators are card files (TOML or JSON; the presets are
+allocator/serving/cards/*.toml) whose numbers carry their source in `source`; figures nobody
+publishes (MLU370-X4's own FLOPS, its per-kernel overheads) are marked as assumptions there.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import pathlib
 
 from odma_hw.errors import BadArgument
 
-DTYPE_BYTES = {"bf16": 2, "int8": 1}
+DTYPE_BYTES = {"bf16": 2, "int8": 1, "fp32": 4}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,7 +33,7 @@ class ModelSpec:
     tied_embeddings: bool
     max_context: int                 # max_position_embeddings: no request may be longer
     qkv_bias: bool = False
-    kv_dtype_bytes: int = 2          # the KV cache stays bf16 whatever the weights are
+    kv_dtype_bytes: int = 2          # bf16 KV for bf16 and int8 weights (fp32: ServingSetup)
 
     @property
     def layer_params(self) -> int:
@@ -77,18 +79,25 @@ class ModelSpec:
 
     def prefill_flops(self, prompt: int, cached: int = 0) -> float:
         """FLOPs to prefill `prompt` new tokens after `cached` tokens already in the KV cache:
-        2 per weight per token, plus causal attention over cached + new tokens."""
+        2 per weight of the layers and final norm per token, the LM head for the last token
+        only (an engine computes logits where it samples), plus causal attention over cached +
+        new tokens."""
         attn = 4.0 * self.layers * self.heads * self.head_dim * (
             prompt * cached + prompt * (prompt + 1) / 2)
-        return 2.0 * self.streamed_params * prompt + attn
+        head = self.vocab * self.hidden
+        return 2.0 * (self.streamed_params - head) * prompt + 2.0 * head + attn
 
 
 # config.json of each model (Hugging Face): DeepSeek-R1-Distill-Qwen-7B is the Qwen2.5-7B
-# architecture (with q/k/v biases); Llama 3 8B and Llama 2 7B as published by Meta.
+# architecture (with q/k/v biases); Llama 3 8B, Llama 3.1 8B and Llama 2 7B as published by
+# Meta.
 MODELS = {
     "deepseek-r1-distill-qwen-7b": ModelSpec("deepseek-r1-distill-qwen-7b", 28, 3584, 28, 4, 128,
                                              18944, 152064, False, 131072, qkv_bias=True),
     "llama-3-8b": ModelSpec("llama-3-8b", 32, 4096, 32, 8, 128, 14336, 128256, False, 8192),
+    # Llama 3.1 8B: Llama 3 8B's shapes with a 128k context (rope scaling)
+    "llama-3.1-8b": ModelSpec("llama-3.1-8b", 32, 4096, 32, 8, 128, 14336, 128256, False,
+                              131072),
     "llama-2-7b": ModelSpec("llama-2-7b", 32, 4096, 32, 32, 128, 11008, 32000, False, 4096),
 }
 MODEL_ALIASES = {"qwen2.5-7b": "deepseek-r1-distill-qwen-7b"}
@@ -165,45 +174,204 @@ def model_from_config(path) -> ModelSpec:
         qkv_bias=bool(c.get("attention_bias", c.get("model_type") == "qwen2")))
 
 
+CARD_DIR = pathlib.Path(__file__).with_name("cards")
+
+# Nobody publishes these cards' per-kernel costs, so one set of defaults serves every card: they
+# are assumptions of the size BLIS fits on an H100 (~44 us per layer, ~49 us per request).
+LAYER_OVERHEAD_US = 40.0            # kernel launches and syncs per layer per step
+REQUEST_OVERHEAD_US = 50.0          # per running request per step (scheduling, sampling)
+# per running request per layer per step: 0 for engines that batch attention over requests;
+# one that launches attention once per request per layer (odma-hw's own engine on CPU) pays it
+LAYER_REQUEST_OVERHEAD_US = 0.0
+
+
 @dataclasses.dataclass(frozen=True)
 class Accelerator:
-    """One card. Bandwidth in GB/s (1e9 B/s), capacity in GB (1e9 B), compute in TFLOPS."""
+    """One card, as a card file describes it (allocator/serving/cards holds the presets).
+    Bandwidth in GB/s (1e9 B/s), capacity in GB (1e9 B), compute in TFLOPS."""
 
     name: str
     bandwidth_gbps: float
     capacity_gb: float
     tflops_bf16: float
-    tops_int8: float
-    emu_preset: str                 # the emulated memory standing for this card's DRAM
-    emu_channels: int | None        # channel count override of that preset (None: preset's)
+    timing: str                     # emu:PRESET, probe:ABSOLUTE-FILE or ideal
     link_gbps: float                # card-to-card bandwidth for tensor-parallel all-reduce
     link_latency_us: float          # per all-reduce hop
-    layer_overhead_us: float        # kernel launches and syncs per layer per step
-    request_overhead_us: float      # per running request per step (scheduling, sampling)
-    source: str
+    tops_int8: float | None = None
+    tflops_fp32: float | None = None
+    emu_channels: int | None = None  # channel count override of the emu preset (None: preset's)
+    layer_overhead_us: float = LAYER_OVERHEAD_US
+    request_overhead_us: float = REQUEST_OVERHEAD_US
+    layer_request_overhead_us: float = LAYER_REQUEST_OVERHEAD_US
+    mfu: float | None = None        # replaces simulate's default --mfu where given
+    # measured matrix-product throughput by rows (tokens) in the product, ((rows, TFLOPS), ...):
+    # where given, a step's compute runs at its row count's throughput instead of peak x mfu
+    matmul_tflops: tuple | None = None
+    source: str = ""
+    path: str = ""                  # the card file
+
+    @property
+    def file(self) -> str | None:
+        """The card file of a user's card; None for a preset (its name says which)."""
+        if not self.path or pathlib.Path(self.path).resolve().parent == CARD_DIR.resolve():
+            return None
+        return self.path
 
     def peak_tflops(self, dtype: str) -> float:
-        return self.tops_int8 if dtype == "int8" else self.tflops_bf16
+        """Peak compute for weights of `dtype`; BadArgument when the card gives no figure."""
+        key = DTYPE_PEAK_KEYS.get(dtype)
+        if key is None:
+            raise BadArgument(f"unknown dtype {dtype!r}: expected one of "
+                              f"{', '.join(DTYPE_PEAK_KEYS)}")
+        value = getattr(self, key)
+        if value is None:
+            raise BadArgument(f"card {self.path or self.name}: --dtype {dtype} needs {key!r}, "
+                              f"which card {self.name} does not give")
+        return value
 
 
-ACCELERATORS = {
-    "mlu370-x4": Accelerator(
-        "mlu370-x4", 307.2, 24.0, 96.0, 256.0, "mlu370-x4", None, 32.0, 10.0, 40.0, 50.0,
-        "24 GB LPDDR5, 384 bit x 6400 MT/s = 307.2 GB/s (the ODMA paper); 96 TFLOPS BF16 and "
-        "256 TOPS INT8 are the MLU370 family's published figures (the X4's own is not published: "
-        "an assumption); PCIe 4.0 x16 between cards (no MLU-Link on the X4, an assumption); "
-        "per-layer and per-request overheads are assumptions of the size BLIS fits on an H100 "
-        "(~44 us per layer, ~49 us per request)"),
-    "a100-80gb": Accelerator(
-        "a100-80gb", 2039.0, 80.0, 312.0, 624.0, "hbm2-2000", 80, 300.0, 5.0, 40.0, 50.0,
-        "NVIDIA A100 80GB SXM datasheet: 2,039 GB/s HBM2e, 312 TFLOPS BF16, 624 TOPS INT8; "
-        "NVLink 600 GB/s bidirectional = 300 GB/s per direction; memory timing from the "
-        "emulated HBM2 pseudo channel (gem5's HBM_2000) x 80 channels"),
+# the card key giving each weight type's peak compute
+DTYPE_PEAK_KEYS = {"bf16": "tflops_bf16", "int8": "tops_int8", "fp32": "tflops_fp32"}
+
+# key -> (required, what it must be); the order is the order a message lists them in
+CARD_KEYS = {
+    "name": (True, "text"),
+    "bandwidth_gbps": (True, "positive"),
+    "capacity_gb": (True, "positive"),
+    "tflops_bf16": (True, "positive"),
+    "timing": (True, "text"),
+    "link_gbps": (True, "positive"),
+    "link_latency_us": (True, "nonnegative"),
+    "tops_int8": (False, "positive"),
+    "tflops_fp32": (False, "positive"),
+    "emu_channels": (False, "count"),
+    "layer_overhead_us": (False, "nonnegative"),
+    "request_overhead_us": (False, "nonnegative"),
+    "layer_request_overhead_us": (False, "nonnegative"),
+    "mfu": (False, "fraction"),
+    "matmul_tflops": (False, "table"),
+    "source": (False, "text"),
 }
+_KIND_TEXT = {"text": "a non-empty string", "positive": "a positive finite number",
+              "nonnegative": "a finite number >= 0", "count": "a positive integer",
+              "fraction": "a number in (0, 1]",
+              "table": "a table of rows (a positive integer, quoted) = TFLOPS (positive)"}
 
 
-def accelerator(name: str) -> Accelerator:
-    if name not in ACCELERATORS:
-        raise BadArgument(f"unknown device preset {name!r}: expected one of "
-                          f"{', '.join(ACCELERATORS)}")
-    return ACCELERATORS[name]
+def card_names() -> list[str]:
+    """The preset cards: the files of allocator/serving/cards, by name."""
+    return sorted(p.stem for p in CARD_DIR.glob("*.toml"))
+
+
+def _card_value(path, key: str, v):
+    import math
+
+    kind = CARD_KEYS[key][1]
+    if kind == "table":
+        try:
+            table = tuple(sorted((int(r), float(t)) for r, t in v.items()
+                                 if not isinstance(t, bool)))
+            ok = len(table) == len(v) > 0 and all(
+                r >= 1 and math.isfinite(t) and t > 0 for r, t in table)
+        except (AttributeError, TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise BadArgument(f"card {path}: {key!r} must be {_KIND_TEXT[kind]}, got {v!r}")
+        return table
+    if kind == "text":
+        ok = isinstance(v, str) and (bool(v.strip()) or key == "source")
+    elif isinstance(v, bool) or not isinstance(v, (int, float)):
+        ok = False
+    elif kind == "count":
+        ok = isinstance(v, int) and v >= 1
+    else:
+        ok = math.isfinite(v) and (v >= 0 if kind == "nonnegative" else v > 0) \
+            and (kind != "fraction" or v <= 1)
+    if not ok:
+        raise BadArgument(f"card {path}: {key!r} must be {_KIND_TEXT[kind]}, got {v!r}")
+    return float(v) if kind in ("positive", "nonnegative", "fraction") else v
+
+
+def _card_timing(path, timing: str, channels) -> str:
+    """The card's timing source checked, a probe file made absolute (relative to the card's
+    folder, so that a card and its probe JSON move together)."""
+    import os
+
+    from odma_hw.emu.specs import device_spec, preset_names
+
+    kind, _, arg = timing.partition(":")
+    if kind == "emu" and arg:
+        if arg not in preset_names():
+            raise BadArgument(f"card {path}: 'timing' names unknown emulator preset {arg!r}: "
+                              f"expected one of {', '.join(preset_names())}")
+        if channels is not None:
+            try:
+                device_spec(arg, channels=channels)
+            except BadArgument as exc:
+                raise BadArgument(f"card {path}: 'emu_channels': {exc}") from None
+        return timing
+    if channels is not None:
+        raise BadArgument(f"card {path}: 'emu_channels' applies to emu timing only, not "
+                          f"{timing!r}")
+    if kind == "probe" and arg:
+        probe = os.path.join(os.path.dirname(os.path.abspath(path)), os.path.expanduser(arg))
+        if not os.path.isfile(probe) or not os.access(probe, os.R_OK):
+            raise BadArgument(f"card {path}: 'timing' names probe file {probe}, which cannot be "
+                              f"read")
+        return f"probe:{probe}"
+    if timing == "ideal":
+        return timing
+    raise BadArgument(f"card {path}: unknown 'timing' {timing!r}: expected emu:PRESET, "
+                      f"probe:FILE or ideal")
+
+
+def load_card(path) -> Accelerator:
+    """An Accelerator from a card file: JSON for a .json file, else TOML, with the keys of
+    CARD_KEYS. BadArgument in one line naming the file and the key for anything amiss."""
+    import json
+    import os
+
+    try:
+        import tomllib
+    except ImportError:                 # Python 3.10: the same parser, as a package
+        import tomli as tomllib
+
+    path = os.fspath(path)
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as exc:
+        raise BadArgument(f"cannot read card {path}: {exc.strerror or exc}") from None
+    is_json = path.lower().endswith(".json")
+    try:
+        text = raw.decode("utf-8")
+        data = json.loads(text) if is_json else tomllib.loads(text)
+    except (UnicodeDecodeError, ValueError) as exc:    # TOMLDecodeError is a ValueError
+        what = "JSON" if is_json else "TOML"
+        raise BadArgument(f"card {path} is not valid {what}: "
+                          f"{' '.join(str(exc).split())}") from None
+    if not isinstance(data, dict):
+        raise BadArgument(f"card {path}: the top level must be a table of keys")
+    unknown = [k for k in data if k not in CARD_KEYS]
+    if unknown:
+        raise BadArgument(f"card {path}: unknown key {unknown[0]!r}; a card has "
+                          f"{', '.join(CARD_KEYS)}")
+    missing = [k for k, (required, _) in CARD_KEYS.items() if required and k not in data]
+    if missing:
+        raise BadArgument(f"card {path}: missing key {missing[0]!r}")
+    fields = {k: _card_value(path, k, v) for k, v in data.items()}
+    fields["timing"] = _card_timing(path, fields["timing"], fields.get("emu_channels"))
+    return Accelerator(**fields, path=os.path.abspath(path))
+
+
+def accelerator(name_or_path) -> Accelerator:
+    """A preset card by name (card_names()), or the card a TOML or JSON file describes."""
+    import os
+
+    name = os.fspath(name_or_path)
+    if name in card_names():
+        return load_card(CARD_DIR / f"{name}.toml")
+    if os.path.exists(name) or os.sep in name or name.lower().endswith((".toml", ".json")):
+        return load_card(name)
+    raise BadArgument(f"unknown --device {name!r}: expected a card file (TOML or JSON) or a "
+                      f"preset: {', '.join(card_names())}")

@@ -1,7 +1,7 @@
 """What the steps of one card of a replica cost: the timing executor of the serving simulation.
 
-    decode = max(memory, compute) + layers x layer overhead + batch x request overhead
-             + all-reduce (TP > 1), where
+    decode = max(memory, compute) + layers x (layer overhead + batch x layer-request overhead)
+             + batch x request overhead + all-reduce (TP > 1), where
       memory = weights / (seq GB/s) + sum over running requests of their KV runs / (run GB/s),
       compute = the batch's FLOPs (weights and attention over each context) / (peak x MFU)
     prefill = max(FLOPs / (peak x MFU), bytes / seq GB/s) + layers x layer overhead + all-reduce
@@ -93,11 +93,15 @@ class StepTimer:
         else:
             self.ar_const = self.ar_per_token = 0.0
         self.req_seconds = d.request_overhead_us * 1e-6
+        # an engine that launches attention once per request per layer pays this per request
+        self.layer_req_seconds = m.layers * d.layer_request_overhead_us * 1e-6
         self.card_flops = d.peak_tflops(setup.dtype) * 1e12
         # decode FLOPs per step on one card: per request, and per token of context (attention)
         self.flops_per_request = 2.0 * m.streamed_params / tp
         self.flops_per_ctx = 4.0 * m.layers * m.heads * m.head_dim / tp
-        self.flops_rate = self.card_flops * setup.mfu
+        table = d.matmul_tflops
+        self._efficiency = None if not table else (
+            np.log2([r for r, _ in table]), np.array([t * 1e12 for _, t in table]) / self.card_flops)
         self.per_token = self.runs_per_unit * self.run_unit_bytes   # KV bytes per context token
         self.sums = [0.0, 0.0, 0.0, 0.0]   # over running requests: a, slope, ab, sb
         self.floor_margin = math.inf       # min over steps of step seconds / (bytes / peak)
@@ -196,8 +200,11 @@ class StepTimer:
         flops = sum(s.model.prefill_flops(h - c, cached=c) for h, c in parts) / s.tp
         computed = sum(h - c for h, c in parts)
         nbytes = s.weight_bytes + sum(h for h, _ in parts) * self.bpt
-        secs = (max(flops / (self.card_flops * s.mfu), nbytes / (self.seq_gbps * 1e9))
-                + self.layer_seconds + self.ar_const + computed * self.ar_per_token)
+        # an engine that runs attention request by request pays that per prompt too
+        secs = (max(flops / (self.card_flops * self.efficiency(computed)),
+                    nbytes / (self.seq_gbps * 1e9))
+                + self.layer_seconds + len(parts) * self.layer_req_seconds + self.ar_const
+                + computed * self.ar_per_token)
         return secs, flops, nbytes
 
     def note_prefill(self, secs: float, flops: float, nbytes: float) -> None:
@@ -208,19 +215,59 @@ class StepTimer:
         return 2.0 * nbytes / (self.copy_gbps * 1e9) if nbytes else 0.0
 
     # -- decode ----------------------------------------------------------------------------------
+    def overhead_seconds(self, nb: int, extra_per_request: float = 0.0) -> float:
+        """Overheads of one step running nb requests: layers x (layer overhead + nb x
+        layer-request overhead) + nb x request overhead. extra_per_request (seconds) joins the
+        per-request sum: decode adds its all-reduce there, in the order its sums always had."""
+        return self.layer_seconds + nb * (self.req_seconds + self.layer_req_seconds
+                                          + extra_per_request)
+
+    def efficiency(self, rows: int) -> float:
+        """The share of the card's peak FLOPS a step's matrix products reach with `rows` rows
+        (tokens): the card's measured throughput at that row count (interpolated in log rows,
+        the nearest end beyond its table) where the card has one, else the MFU. A CPU reaches
+        a few percent of its 256-row throughput at one row; a GPU's decode is memory-bound."""
+        if self._efficiency is None:
+            return self.s.mfu
+        x, y = self._efficiency
+        return float(np.interp(math.log2(max(rows, 1)), x, y))
+
+    def _decode_lines(self, nb: int):
+        """(overheads, m0, m1, f0, f1) of a decode step of the nb running requests at step s:
+        memory m0 + m1 s (weights and KV reads) and compute f0 + f1 s (FLOPs of the batch),
+        each linear in the step index, in seconds."""
+        a, sl, ab, sb = self.sums if nb else (0.0, 0.0, 0.0, 0.0)
+        over = self.overhead_seconds(nb, self.ar_per_token) + self.ar_const
+        rate = self.card_flops * self.efficiency(nb)
+        f0 = (nb * self.flops_per_request + self.flops_per_ctx * ab / self.per_token) / rate
+        f1 = self.flops_per_ctx * sb / self.per_token / rate
+        return over, self.w_seconds + a, sl, f0, f1
+
+    def _count_decode(self, tot, nb: int, k: int, tri: float, secs: float, lines) -> None:
+        """Add k decode steps (tri: the sum of their step indices) to tot's components."""
+        _, m0, m1, f0, f1 = lines
+        a, sl, ab, sb = self.sums
+        tot["decode"] += secs
+        tot["kv"] += k * a + sl * tri
+        tot["weights"] += k * self.w_seconds
+        tot["overheads"] += k * self.overhead_seconds(nb)
+        tot["allreduce"] += k * (self.ar_const + nb * self.ar_per_token)
+        if f0 + f1 * tri / k > m0 + m1 * tri / k:
+            tot["compute"] += k * (f0 - m0) + (f1 - m1) * tri   # beyond the memory time
+            tot["compute_bound_steps"] += k
+        tot["steps"] += k
+        tot["kv_bytes"] += k * ab + sb * tri
+        tot["batch_seconds"] += nb * secs
+
     def decode_span(self, nb: int, step: int, k: int, dt: float | None, tot) -> tuple[int, float]:
         """Run decode steps from `step` with nb requests: at most k (the next event), and no
         more than reach dt seconds when dt is given (a request arrives then). Returns (steps,
         seconds) and adds the components to tot."""
         s = self.s
-        a, sl, ab, sb = self.sums
-        # a step is max(memory, compute) + overheads; memory and compute are each linear in the
-        # step index: m0 + m1 s (weights and KV reads), f0 + f1 s (FLOPs of the batch)
-        over = self.layer_seconds + nb * (self.req_seconds + self.ar_per_token) + self.ar_const
-        m0, m1 = self.w_seconds + a, sl
-        f0 = (nb * self.flops_per_request + self.flops_per_ctx * ab / self.per_token) \
-            / self.flops_rate
-        f1 = self.flops_per_ctx * sb / self.per_token / self.flops_rate
+        ab, sb = self.sums[2], self.sums[3]
+        # a step is max(memory, compute) + overheads
+        lines = over, m0, m1, f0, f1 = self._decode_lines(nb)
+        eff = self.efficiency(nb)
         compute_bound = f0 + f1 * step > m0 + m1 * step
         if m1 != f1:                               # memory and compute trade places there
             cross = (f0 - m0) / (m1 - f1)
@@ -236,19 +283,42 @@ class StepTimer:
             t_step = max(m0 + m1 * at, f0 + f1 * at) + over
             self.floor_margin = min(self.floor_margin,
                                     t_step * self.peak_bw / (s.weight_bytes + ab + sb * at))
-            self.compute_margin = min(self.compute_margin, t_step / ((f0 + f1 * at) * s.mfu))
-        tot["decode"] += secs
-        tot["kv"] += k * a + sl * tri
-        tot["weights"] += k * self.w_seconds
-        tot["overheads"] += k * (self.layer_seconds + nb * self.req_seconds)
-        tot["allreduce"] += k * (self.ar_const + nb * self.ar_per_token)
-        if compute_bound:
-            tot["compute"] += k * (f0 - m0) + (f1 - m1) * tri   # beyond the memory time
-            tot["compute_bound_steps"] += k
-        tot["steps"] += k
-        tot["kv_bytes"] += k * ab + sb * tri
-        tot["batch_seconds"] += nb * secs
+            self.compute_margin = min(self.compute_margin, t_step / ((f0 + f1 * at) * eff))
+        self._count_decode(tot, nb, k, tri, secs, lines)
         return k, secs
+
+    def mixed_step(self, nb: int, step: int, chunks, tot) -> float:
+        """Seconds of one chunked-prefill step: nb running requests decode (at decode step
+        `step`) while prompt chunks [(first position, tokens)] ride along. The weights are read
+        once for all; the chunks add their FLOPs (attention over the context before them
+        included) and their context's KV bytes at the sequential bandwidth (read what is
+        cached, write what they compute), as prefill() counts a whole prompt; with no decode it
+        is prefill() of those chunks. tot gets the decode's components (as decode_span gives
+        them) and the chunks' share of the step, "prefill_chunks"."""
+        s = self.s
+        ab, sb = (self.sums[2], self.sums[3]) if nb else (0.0, 0.0)
+        computed = sum(k for _, k in chunks)
+        context = sum(start + k for start, k in chunks)
+        chunk_flops = sum(s.model.prefill_flops(k, cached=start) for start, k in chunks) / s.tp
+        lines = over, m0, m1, f0, f1 = self._decode_lines(nb)
+        m_dec, f_dec = m0 + m1 * step, f0 + f1 * step
+        # every token of the step, decodes and chunks, goes through one matrix product
+        eff_nb, eff = self.efficiency(nb), self.efficiency(nb + computed)
+        f_all = (f_dec * eff_nb + chunk_flops / self.card_flops) / eff
+        extra = len(chunks) * self.layer_req_seconds + computed * self.ar_per_token
+        secs = (max(m_dec + context * self.bpt / (self.seq_gbps * 1e9), f_all) + over
+                + extra)
+        nbytes = s.weight_bytes + ab + sb * step + context * self.bpt
+        self.floor_margin = min(self.floor_margin, secs * self.peak_bw / nbytes)
+        self.compute_margin = min(self.compute_margin, secs / (f_all * eff))
+        tot["prefill_tokens"] += computed
+        if not nb:
+            tot["prefill"] += secs
+            tot["prefills"] += 1
+            return secs
+        tot["prefill_chunks"] += secs - (max(m_dec, f_dec) + over)
+        self._count_decode(tot, nb, 1, step, secs, lines)
+        return secs
 
     @staticmethod
     def steps_until(dt: float, c0: float, slope: float, step: int) -> int:

@@ -17,6 +17,8 @@ Sources:
   --json`: random reads by granule up to the largest granule probed; beyond it each run costs a
   fixed start-up (fitted at the largest granule) plus streaming at the sequential bandwidth.
 - LiveTiming ("live:torch:DEVICE"): run reads measured now on a torch device.
+- IdealTiming ("ideal"): every read, of any run size, at the card's full bandwidth: the bound
+  no layout beats, under which contiguity is worth nothing.
 
 How concurrent reads interleave at the memory controller decides how much contiguity is worth,
 so it is a stated knob of EmuTiming: by default (streams=1) runs reach the controller one after
@@ -322,6 +324,18 @@ def probe_timing(path: str, device: str | None = None) -> MeasuredTiming:
     return MeasuredTiming(f"probe:{e.get('device', '?')}", runs, seq, copy)
 
 
+class IdealTiming(MemoryTiming):
+    """Every run, stream and copy at the card's full bandwidth, whatever its size."""
+
+    source = "ideal"
+
+    def __init__(self, bandwidth_gbps: float):
+        self.seq_gbps = self.copy_gbps = self.peak_gbps = float(bandwidth_gbps)
+
+    def run_gbps(self, run_bytes) -> np.ndarray:
+        return np.full(np.shape(run_bytes), self.seq_gbps)
+
+
 def live_timing(spec: str, sizes=(4096, 16384, 65536, 262144, 1 << 20),
                 buffer_bytes: int | None = None) -> MeasuredTiming:
     """Run-read bandwidths measured now on a torch device (`live:torch:cpu`)."""
@@ -344,9 +358,10 @@ def check_emu(s: EmuSettings):
 
 def make_timing(source: str, bandwidth_gbps: float, settings: EmuSettings | None = None, *,
                 check_only: bool = False) -> MemoryTiming | None:
-    """`emu:PRESET`, `probe:FILE` or `live:torch:DEVICE` -> a timing source. check_only: make
-    only the checks that need no measurement (the emulator settings, the probe file, that the
-    torch device is there) and return None."""
+    """`emu:PRESET`, `probe:FILE`, `live:torch:DEVICE` or `ideal` (every run at
+    `bandwidth_gbps`) -> a timing source. check_only: make only the checks that need no
+    measurement (the emulator settings, the probe file, that the torch device is there) and
+    return None."""
     kind, _, arg = source.partition(":")
     if kind == "emu" and arg:
         s = dataclasses.replace(settings or EmuSettings(), preset=arg)
@@ -366,5 +381,7 @@ def make_timing(source: str, bandwidth_gbps: float, settings: EmuSettings | None
                 dev.close()
             return None
         return live_timing(arg)
-    raise BadArgument(f"unknown timing source {source!r}: expected emu:PRESET, probe:FILE or "
-                      f"live:torch:DEVICE")
+    if source == "ideal":
+        return None if check_only else IdealTiming(bandwidth_gbps)
+    raise BadArgument(f"unknown timing source {source!r}: expected emu:PRESET, probe:FILE, "
+                      f"live:torch:DEVICE or ideal")

@@ -1,0 +1,813 @@
+"""`odma-hw calibrate`: measure a torch device for a card file, so that `odma-hw simulate
+--device CARD` predicts `odma-hw engine` on that device.
+
+What it measures, in this order (each phase prints one progress line on stderr):
+
+1. bandwidth: reads of random contiguous runs of S bytes (64 B .. 4 MiB), one long read and a
+   streaming copy, through torch on the device (allocator/serving/live.py,
+   measure_run_bandwidth). Written beside the card as an `odma-hw probe --json` document
+   (CARD.probe.json); the card's timing is `probe:CARD.probe.json` and its bandwidth_gbps the
+   sequential figure.
+2. matmul throughput: F.linear of ROWS x hidden into hidden x intermediate of --model (the
+   shape of the engine's MLP up-projection) at the engine's dtype, weights cycled through
+   enough copies to come from memory, not a cache: at a prefill shape (--prefill-tokens rows)
+   and at decode shapes (1 .. 64 rows). The prefill shape's throughput is the card's peak at that
+   dtype with mfu = 1 (what the engine's matrix products reach); decode shapes are recorded in
+   `source` and the JSON.
+3. overheads: Runner.decode steps of the engine (allocator/serving/torch_engine.py) on the
+   tiny-llama config at 2 and 6 layers, several batch sizes, 16-token contexts in static
+   blocks. From each step's median time the simulator's own memory and compute terms at that
+   shape (with the bandwidths and throughput just measured) are taken away; what remains is
+   fitted as per_step + layers x per_layer + layers x batch x per_layer_request + batch x
+   per_request, each >= 0 (nnls), least squares relative to each step's time. A card has no
+   per-step key, so layer_overhead_us = per_layer + per_step / (--model's layers): the card's
+   overheads are the fitted ones exactly at that depth.
+
+Not measured: link_gbps and link_latency_us (one device has no peer here); the card carries
+placeholders and says so.
+
+There is no compute(): a sweep would run calibrations side by side on shared cores, and every
+figure would measure the neighbours.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import itertools
+import math
+import os
+import secrets
+import statistics
+import sys
+import time
+
+import numpy as np
+
+from odma_hw.errors import BadArgument, DeviceUnavailable, OutputError
+
+SCHEMA = "odma-hw.calibrate/1"
+PROBE_SCHEMA = "odma-hw.probe/1"
+FIT_MODEL = "tiny-llama"               # shipped config the overheads are fitted on
+FIT_LAYERS = (2, 6)                    # two depths of it: per-layer vs per-step costs
+FIT_CONTEXT = 16                       # prompt tokens of every request in the fitted steps
+FIT_POLICY = "static"                  # contiguous blocks, as the engine's odma and static keep
+# Weights of a matmul measurement are cycled through copies of at least this many bytes in all,
+# so each call reads its weight from memory as a decode step of a real model does (its layers
+# never fit in a cache), not from the cache the previous call left it in.
+COLD_WEIGHT_BYTES = 256 << 20
+MAX_WEIGHT_COPIES = 64
+# Steps of one shape on a quiet machine stay within about 10 % of each other (2-core VM, torch
+# 2.13): twice these spreads means something else was running.
+BUSY_MEDIAN_OVER_MIN = 1.5
+BUSY_Q3_OVER_Q1 = 1.4
+# ... and so does other processes' taking more than this share of the CPUs during a phase
+BUSY_OTHER_SHARE = 0.15
+MAX_PREFILL_TOKENS = 65536             # a longer prompt is a chunked prefill's business
+# Placeholders for what one device cannot measure: PCIe 4.0 x16 per direction, and the
+# per-hop latency the shipped mlu370-x4 card assumes. They matter only for simulate --tp > 1.
+LINK_GBPS_PLACEHOLDER = 32.0
+LINK_LATENCY_US_PLACEHOLDER = 10.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Effort:
+    """How long each phase measures."""
+
+    run_sizes: tuple                   # bytes of the random runs read
+    buffer_bytes: int | None           # bandwidth working set (None: the device's default)
+    bandwidth_reps: int
+    decode_rows: tuple                 # batch rows of the decode-shape matmuls
+    matmul_reps: int
+    matmul_seconds: float              # least time of one timed batch of matmul calls
+    fit_batches: tuple
+    fit_warmup: int
+    fit_reps: int
+
+
+FULL = Effort(run_sizes=(64, 256, 1024, 4096, 16384, 65536, 262144, 1 << 20, 4 << 20),
+              buffer_bytes=None, bandwidth_reps=7, decode_rows=(1, 2, 4, 8, 16, 32, 64),
+              matmul_reps=7, matmul_seconds=0.05, fit_batches=(1, 2, 4, 8, 16, 32),
+              fit_warmup=5, fit_reps=31)
+# --quick: a quarter of the working set (still far above this machine's 32 MiB L3), fewer
+# repetitions; for tests, where fit quality matters and absolute figures do not
+QUICK = Effort(run_sizes=(64, 256, 1024, 4096, 16384, 65536, 262144, 1 << 20),
+               buffer_bytes=256 << 20, bandwidth_reps=3, decode_rows=(1, 8, 64),
+               matmul_reps=3, matmul_seconds=0.02, fit_batches=(1, 4, 16),
+               fit_warmup=3, fit_reps=9)
+
+
+# ----------------------------------------------------------------------------- the fit
+def nnls(A, y) -> np.ndarray:
+    """argmin ||A x - y|| over x >= 0, for a few columns: the least-squares solution on every
+    subset of the columns (the others held at 0), the best of those that are nonnegative. The
+    optimum is among them (on its own support it is the unconstrained least-squares solution),
+    so this is exact for a matrix of full column rank; 2^n solves, meant for n <= 8 (scipy is
+    not a dependency)."""
+    A = np.asarray(A, dtype=np.float64)
+    y = np.asarray(y, dtype=np.float64)
+    if A.ndim != 2 or y.shape != (A.shape[0],) or not 1 <= A.shape[1] <= 8:
+        raise BadArgument(f"nnls needs an (m, n) matrix with 1 <= n <= 8 and m values, got "
+                          f"{A.shape} and {y.shape}")
+    if not (np.isfinite(A).all() and np.isfinite(y).all()):
+        raise BadArgument("nnls: the matrix and the values must be finite")
+    n = A.shape[1]
+    best, best_cost = np.zeros(n), float(y @ y)
+    for k in range(1, n + 1):
+        for cols in itertools.combinations(range(n), k):
+            sub = list(cols)
+            x_sub = np.linalg.lstsq(A[:, sub], y, rcond=None)[0]
+            if (x_sub < 0).any():
+                continue
+            x = np.zeros(n)
+            x[sub] = x_sub
+            r = A @ x - y
+            cost = float(r @ r)
+            if cost < best_cost * (1 - 1e-12):   # ties: the sparser solution found first
+                best, best_cost = x, cost
+    return best
+
+
+def fit_overheads(layers, batch, overhead, step) -> dict:
+    """Fit overhead ~ k + layers x a + layers x batch x c + batch x b (seconds, each >= 0), with
+    each point's error relative to its whole step time `step` (a 1 ms step and a 10 ms step
+    count alike: a plain fit would give the small batches, where the overheads are most of the
+    step, almost no say). k is the step's own work outside the layers (embedding, rotary
+    tables, final norm, LM head, the argmaxes), which a card has no key for: without it the fit
+    would pass it off as per-layer and per-request cost, each then wrong for any other depth.
+    Returns the coefficients in seconds and each point's fitted overhead."""
+    L = np.asarray(layers, dtype=np.float64)
+    B = np.asarray(batch, dtype=np.float64)
+    o = np.asarray(overhead, dtype=np.float64)
+    s = np.asarray(step, dtype=np.float64)
+    if not (L.shape == B.shape == o.shape == s.shape and L.ndim == 1 and L.size >= 4):
+        raise BadArgument("the overhead fit needs at least 4 points, each with layers, batch, "
+                          "overhead and step time")
+    if not (s > 0).all():
+        raise BadArgument("step times must be positive")
+    A = np.column_stack([np.ones_like(L), L, L * B, B])
+    x = nnls(A / s[:, None], o / s)
+    k, a, c, b = (float(v) for v in x)
+    return {"step_s": k, "layer_s": a, "layer_request_s": c, "request_s": b,
+            "fitted_s": A @ x}
+
+
+def card_overheads(fit: dict, layers: int) -> dict:
+    """The card's three overheads (microseconds) for a model of `layers` layers: the per-step
+    constant, for which a card has no key, shared out over the layers (exact at that depth)."""
+    return {"layer_overhead_us": (fit["layer_s"] + fit["step_s"] / layers) * 1e6,
+            "request_overhead_us": fit["request_s"] * 1e6,
+            "layer_request_overhead_us": fit["layer_request_s"] * 1e6}
+
+
+# ----------------------------------------------------------------------------- checks
+def card_paths(out: str) -> tuple[str, str]:
+    """(the card, its probe file beside it) for --out; BadArgument unless both can be written
+    there (the folder exists and takes new files: each is written as a new file renamed over
+    the old, which asks only the folder's permission; a link at --out is replaced, not
+    followed, so that the card and the probe file it names stay side by side). Called before
+    anything is measured."""
+    if not isinstance(out, str) or not out.strip():
+        raise BadArgument("--out needs a file name")
+    card = os.path.abspath(out)
+    stem = card[:-5] if card.endswith(".toml") else card
+    probe = stem + ".probe.json"
+    folder = os.path.dirname(card)
+    for path in (card, probe):
+        if os.path.isdir(path):
+            raise BadArgument(f"cannot write {path}: it is a directory")
+    if not os.path.isdir(folder):
+        raise BadArgument(f"cannot write card {out}: folder {folder} does not exist")
+    trial = os.path.join(folder, f".calibrate-{secrets.token_hex(6)}.tmp")
+    try:
+        os.close(os.open(trial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+        os.unlink(trial)
+    except OSError as exc:
+        raise BadArgument(f"cannot write card {out}: {exc.strerror or exc}") from None
+    return card, probe
+
+
+def _need_torch():
+    try:
+        import torch
+    except ImportError:
+        raise DeviceUnavailable("calibrate needs torch; pip install 'odma-hw[torch]'") from None
+    return torch
+
+
+def open_torch_device(spec: str) -> dict:
+    """What calibrate needs to know of a torch device before measuring: its normalised spec
+    (torch:cuda -> torch:cuda:0), torch device, name and memory. BadArgument for a spec that is
+    not a torch device, DeviceUnavailable for one that is not here."""
+    from odma_hw import devices
+
+    if not isinstance(spec, str) or not spec.startswith("torch:"):
+        raise BadArgument(f"calibrate measures a torch device, as the engine runs on one "
+                          f"(torch:cpu, torch:cuda:0, torch:mlu:0), not {spec!r}")
+    torch = _need_torch()
+    with devices.open(spec) as dev:           # DeviceUnavailable for torch:cuda without CUDA
+        tdev = dev.dev
+        name = dev.info.name
+        norm = dev.info.spec
+    if tdev.type == "cpu":
+        # the engine's tensors live in host memory: all of it, not what is free now
+        capacity = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        name = _cpu_name() or name
+    else:
+        mod = getattr(torch, tdev.type)       # torch.cuda, or torch.mlu (torch_mlu mirrors it)
+        try:
+            capacity = mod.get_device_properties(tdev).total_memory
+        except (AttributeError, RuntimeError):
+            capacity = mod.mem_get_info(tdev)[1]
+    return {"spec": norm, "device": tdev, "name": name, "capacity_bytes": int(capacity)}
+
+
+def _cpu_name() -> str | None:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
+def engine_dtype(device_type: str, dtype: str | None) -> str:
+    """--dtype, or the engine's own on that device: float32 on a CPU (bf16 matmuls there are an
+    extension some CPUs lack), bfloat16 on an accelerator."""
+    if dtype is not None:
+        return dtype
+    return "float32" if device_type == "cpu" else "bfloat16"
+
+
+class OtherLoad:
+    """The share of this machine's CPU time that other processes took between its making and
+    share(): all CPUs' busy time (/proc/stat, steal included: a hypervisor's other guests
+    count) less this process's own, over wall time x CPUs. None where /proc/stat is not there.
+    On a few cores a little of it ruins a measurement: each of torch's parallel regions waits
+    for whichever of its threads was descheduled."""
+
+    def __init__(self):
+        self._start = self._snapshot()
+
+    @staticmethod
+    def _snapshot():
+        try:
+            import resource
+
+            with open("/proc/stat") as f:
+                fields = [int(v) for v in f.readline().split()[1:]]
+        except (ImportError, OSError, ValueError):
+            return None
+        # user nice system idle iowait irq softirq steal ...: busy is all but idle and iowait
+        busy = sum(fields[:8]) - fields[3] - fields[4]
+        ru = resource.getrusage(resource.RUSAGE_SELF)
+        return time.perf_counter(), busy / os.sysconf("SC_CLK_TCK"), ru.ru_utime + ru.ru_stime
+
+    def share(self) -> float | None:
+        end = self._snapshot()
+        if self._start is None or end is None:
+            return None
+        wall = end[0] - self._start[0]
+        other = (end[1] - self._start[1]) - (end[2] - self._start[2])
+        cpus = os.cpu_count() or 1
+        return max(0.0, other / (wall * cpus)) if wall > 0 else None
+
+
+# ----------------------------------------------------------------------------- measurements
+def _synchronizer(torch, device):
+    if device.type == "cpu":
+        return lambda: None
+    mod = getattr(torch, device.type)
+    return lambda: mod.synchronize(device)
+
+
+def measure_bandwidth(spec: str, effort: Effort, seed: int) -> dict:
+    """Run-read, sequential and copy bandwidth through torch on the device.
+
+    Why torch's and not the native shim's (`odma-hw probe --device host`): the engine reads its
+    KV and weights through torch kernels on this torch device, so their bandwidth is what a
+    step sees. The shim measures the same DRAM with its own hand-written loops on pinned
+    threads, which reach figures torch's kernels do not (on this 2-core VM random 64 B reads at
+    11 GB/s against torch's 3 to 4), and it cannot see a GPU's or an MLU's memory through torch
+    at all."""
+    from allocator.serving.live import measure_run_bandwidth
+
+    return measure_run_bandwidth(spec, list(effort.run_sizes), buffer_bytes=effort.buffer_bytes,
+                                 reps=effort.bandwidth_reps, seed=seed)
+
+
+def matmul_tflops(torch, device, dtype, rows_list, k: int, n: int, effort: Effort,
+                  seed: int) -> dict:
+    """TFLOPS of F.linear(x, W) with x (rows, k) and W (n, k) (nn.Linear's own kernel) at each
+    row count: 2 rows k n FLOPs per call over the median time of a batch of calls lasting at
+    least effort.matmul_seconds, W cycled through copies that add up to COLD_WEIGHT_BYTES."""
+    F = torch.nn.functional
+    sync = _synchronizer(torch, device)
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    elsize = torch.empty((), dtype=dtype).element_size()
+    copies = max(1, min(MAX_WEIGHT_COPIES, math.ceil(COLD_WEIGHT_BYTES / (k * n * elsize))))
+    weights = [(torch.randn((n, k), generator=gen) / math.sqrt(k)).to(device=device, dtype=dtype)
+               for _ in range(copies)]
+    out = {}
+    for rows in rows_list:
+        x = torch.randn((rows, k), generator=gen).to(device=device, dtype=dtype)
+
+        def run(calls, start=0):
+            for i in range(start, start + calls):
+                F.linear(x, weights[i % copies])
+
+        sync()
+        run(copies)                           # warm-up: every copy once
+        sync()
+        t0 = time.perf_counter()
+        run(1)
+        sync()
+        one = max(time.perf_counter() - t0, 1e-7)
+        calls = max(1, min(100_000, math.ceil(effort.matmul_seconds / one)))
+        times = []
+        for r in range(effort.matmul_reps):
+            sync()
+            t0 = time.perf_counter()
+            run(calls, start=r * calls)
+            sync()
+            times.append(time.perf_counter() - t0)
+        out[rows] = 2.0 * rows * k * n * calls / statistics.median(times) / 1e12
+    return out
+
+
+def measure_steps(torch, dev: dict, dtype: str, effort: Effort, seed: int) -> list[dict]:
+    """Median seconds of one engine decode step (Runner.decode, then one argmax per request, as
+    the engine's serving loop takes each request's token) at each FIT_LAYERS x batch size, every
+    request FIT_CONTEXT tokens into its static block. Each request re-decodes the same position,
+    so every timed step has the same shape. The shapes take turns, one step each per round: a
+    burst of load from elsewhere on the machine then slows every shape alike instead of all the
+    steps of one, which would bend the fit."""
+    from allocator.config import AllocatorConfig
+    from allocator.policies import make_allocator
+    from allocator.serving.models import kv_bytes_per_token, load_config
+    from allocator.serving.torch_engine import BlockKV, Runner, build_model
+
+    sync = _synchronizer(torch, dev["device"])
+    most = max(effort.fit_batches)
+    max_len = FIT_CONTEXT + 1
+    rng = np.random.default_rng(seed)
+    allocs, shapes = [], []
+    try:
+        for layers in FIT_LAYERS:
+            config, _ = load_config(FIT_MODEL)
+            config.num_hidden_layers = layers
+            model = build_model(config, dtype, str(dev["device"]), seed)
+            bpt = kv_bytes_per_token(config, dtype)
+            alloc = make_allocator(FIT_POLICY, dev["spec"], 2 * most * max_len * bpt, bpt,
+                                   max_len, AllocatorConfig(background_refresh=False))
+            allocs.append(alloc)
+            runner = Runner(model, BlockKV(alloc, config, getattr(torch, dtype)))
+            prompts = [torch.from_numpy(rng.integers(3, config.vocab_size, FIT_CONTEXT))
+                       for _ in range(most)]
+            for i in range(most):
+                alloc.reserve(i, FIT_CONTEXT, 1, 0.0)
+            # the prompts' KV, so attention reads real numbers (not uninitialised memory)
+            runner.prefill(list(enumerate(prompts)))
+            for batch in effort.fit_batches:
+                tokens = rng.integers(3, config.vocab_size, batch).tolist()
+                shapes.append((layers, batch, _decode_step(torch, runner, tokens)))
+        for _, _, step in shapes:
+            for _ in range(effort.fit_warmup):
+                step()
+        times = [[] for _ in shapes]
+        for _ in range(effort.fit_reps):
+            for (_, _, step), t in zip(shapes, times):
+                sync()
+                t0 = time.perf_counter()
+                step()
+                sync()
+                t.append(time.perf_counter() - t0)
+    finally:
+        for alloc in allocs:
+            alloc.close()
+    out = []
+    for (layers, batch, _), t in zip(shapes, times):
+        q1, _, q3 = statistics.quantiles(t, n=4) if len(t) > 1 else (t[0], t[0], t[0])
+        out.append({"layers": layers, "batch": batch, "context": FIT_CONTEXT + 1,
+                    "step_s": statistics.median(t), "step_min_s": min(t), "step_max_s": max(t),
+                    "step_q1_s": q1, "step_q3_s": q3})
+    return out
+
+
+def disturbed(points) -> list[dict]:
+    """The points whose steps varied more than a quiet machine's do: a median above
+    BUSY_MEDIAN_OVER_MIN x the fastest step, or a third quartile above BUSY_Q3_OVER_Q1 x the
+    first. Other work on the machine (on a few cores, every thread of torch's pool waits for
+    the one that was descheduled) makes them so; their medians then measure that work."""
+    return [p for p in points if p["step_s"] > BUSY_MEDIAN_OVER_MIN * p["step_min_s"]
+            or p["step_q3_s"] > BUSY_Q3_OVER_Q1 * p["step_q1_s"]]
+
+
+def _decode_step(torch, runner, tokens):
+    """One decode step of requests 0 .. len(tokens) - 1, each at position FIT_CONTEXT."""
+    batch = len(tokens)
+    ids = list(range(batch))
+    positions = [FIT_CONTEXT] * batch
+
+    def step():
+        logits = runner.decode(tokens, positions, ids)
+        for j in range(batch):
+            int(torch.argmax(logits[j]))
+    return step
+
+
+def predicted_floor(spec, layers: int, batch: int, context: int, elsize: int, timing,
+                    tflops: float) -> dict:
+    """The simulator's max(memory, compute) of one decode step of `spec` at `layers` layers
+    (allocator/serving/steptime.py): streamed weights at the sequential bandwidth plus each
+    request's 2 x layers x kv_heads contiguous KV runs of context x head_dim at their run
+    bandwidth, against 2 FLOPs per streamed weight per request plus attention over the
+    contexts at `tflops` (mfu 1). Bytes at the engine's element size (the engine keeps its
+    weights and KV in its own dtype)."""
+    m = dataclasses.replace(spec, layers=layers)
+    weights = m.streamed_params * elsize / (timing.seq_gbps * 1e9)
+    run = context * m.head_dim * elsize
+    runs = 2 * layers * m.kv_heads
+    kv = batch * runs * run / (float(timing.run_gbps(run)) * 1e9)
+    flops = 2.0 * m.streamed_params * batch + 4.0 * layers * m.heads * m.head_dim * batch * context
+    compute = flops / (tflops * 1e12)
+    return {"memory_s": weights + kv, "compute_s": compute, "floor_s": max(weights + kv, compute)}
+
+
+# ----------------------------------------------------------------------------- the card
+def toml_string(text: str) -> str:
+    """A TOML basic string: quotes and backslashes escaped, control characters as \\uXXXX."""
+    out = []
+    for ch in text:
+        if ch in '"\\':
+            out.append("\\" + ch)
+        elif ord(ch) < 0x20 or ord(ch) == 0x7F:
+            out.append(f"\\u{ord(ch):04X}")
+        else:
+            out.append(ch)
+    return '"' + "".join(out) + '"'
+
+
+def toml_float(v: float) -> str:
+    """Six significant digits, always a TOML float (1e-05, 33.1, 100000.0: never an integer)."""
+    v = float(v)
+    if not math.isfinite(v):
+        raise BadArgument(f"a card value must be finite, got {v}")
+    return repr(float(f"{v:.6g}"))
+
+
+def card_text(values: dict, comments: dict, header: list[str]) -> str:
+    """The card as TOML: one `key = value` per line, in `values`' order, each preceded by its
+    comment lines (comments[key]) where it has some."""
+    lines = [f"# {h}" for h in header] + [""]
+    for key, v in values.items():
+        for c in comments.get(key, ()):
+            lines.append(f"# {c}")
+        if isinstance(v, str):
+            lines.append(f"{key} = {toml_string(v)}")
+        elif isinstance(v, dict):           # an inline table, its keys quoted
+            inner = ", ".join(f"{toml_string(str(k))} = {toml_float(x)}" for k, x in v.items())
+            lines.append(f"{key} = {{ {inner} }}")
+        else:
+            lines.append(f"{key} = {toml_float(v)}")
+    return "\n".join(lines) + "\n"
+
+
+def write_atomic(path: str, text: str) -> None:
+    """`text` into a new file beside `path` that replaces it once complete and on disk: a write
+    that fails leaves `path` as it was. OutputError when storage fails."""
+    folder = os.path.dirname(path)
+    tmp = os.path.join(folder, f".{os.path.basename(path)}.{secrets.token_hex(6)}.tmp")
+    done = False
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        done = True
+    except OSError as exc:
+        raise OutputError(f"cannot write {path}: {exc.strerror or exc}") from None
+    finally:
+        if not done:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+
+
+def probe_document(dev: dict, bw: dict, run_sizes) -> dict:
+    """The bandwidths as `odma-hw probe --json` writes a device (allocator/serving/timing.py,
+    probe_timing, reads rand_gbps, seq_gbps and copy_gbps); no RACM verdict, which needs the
+    probe's saturation checks."""
+    import odma_hw
+
+    runs = {str(s): float(bw["runs_gbps"][s]) for s in run_sizes}
+    seq = float(bw["seq_gbps"])
+    return {"schema": PROBE_SCHEMA, "devices": [{
+        "device": dev["spec"], "kind": "torch", "name": dev["name"], "peak_gbps": None,
+        "seq_gbps": seq, "copy_gbps": float(bw["copy_gbps"]), "rand_gbps": runs,
+        "ratios": {k: v / seq for k, v in runs.items()},
+        "granularity": int(run_sizes[0]), "ratio": runs[str(run_sizes[0])] / seq,
+        "verdict": "inconclusive",
+        "reason": "measured by odma-hw calibrate for a card (run reads through torch); it makes "
+                  "no saturation check: classify the device with odma-hw probe",
+        "runs_in_order_gbps": {str(s): float(bw["runs_in_order_gbps"][s]) for s in run_sizes},
+        "buffer_bytes": int(bw["buffer_bytes"]), "reps": int(bw["reps"]),
+        "convention": "GB = 1e9 B; copy counts read + write; random counts run bytes x runs",
+        "details": {"method": bw["method"], "odma_hw": odma_hw.__version__}}]}
+
+
+# ----------------------------------------------------------------------------- the command
+def check(args) -> dict:
+    """Every refusal before anything is measured or written: (paths, device, dtype, model
+    shape)."""
+    from allocator.serving.models import DTYPES, load_config
+
+    if args.name is not None and (not args.name.strip() or
+                                  any(ord(c) < 0x20 or ord(c) == 0x7F for c in args.name)):
+        raise BadArgument(f"--name must be a non-empty line of text, got {args.name!r}")
+    if args.dtype is not None and args.dtype not in DTYPES:
+        raise BadArgument(f"unknown --dtype {args.dtype!r}: expected one of {', '.join(DTYPES)}")
+    if not 1 <= args.prefill_tokens <= MAX_PREFILL_TOKENS:
+        raise BadArgument(f"--prefill-tokens must be in [1, {MAX_PREFILL_TOKENS}], got "
+                          f"{args.prefill_tokens}")
+    card, probe = card_paths(args.out)
+    config, _ = load_config(args.model)
+    load_config(FIT_MODEL)
+    hidden = int(config.hidden_size)
+    ffn = int(getattr(config, "intermediate_size", 0) or 4 * hidden)
+    dev = open_torch_device(args.device)
+    dtype = engine_dtype(dev["device"].type, args.dtype)
+    return {"card": card, "probe": probe, "device": dev, "dtype": dtype, "hidden": hidden,
+            "ffn": ffn, "layers": int(config.num_hidden_layers)}
+
+
+def calibrate(args, progress=None) -> dict:
+    """Measure, fit, write the probe file and the card; the result object (SCHEMA)."""
+    from allocator.serving.presets import model_spec
+    from allocator.serving.timing import MeasuredTiming
+
+    started = time.perf_counter()
+    p = check(args)
+    load_before = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    effort = QUICK if args.quick else FULL
+    torch = _need_torch()
+    dev, dtype = p["device"], p["dtype"]
+    show = progress or (lambda text: None)
+    when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+
+    show(f"calibrate {dev['spec']}: bandwidth of random runs of "
+         f"{_bytes(effort.run_sizes[0])} .. {_bytes(effort.run_sizes[-1])}, sequential read, copy")
+    other = {}
+    load = OtherLoad()
+    bw = measure_bandwidth(dev["spec"], effort, args.seed)
+    other["bandwidth"] = load.share()
+    timing = MeasuredTiming(f"probe:{dev['spec']}", bw["runs_gbps"], bw["seq_gbps"],
+                            bw["copy_gbps"])
+
+    k, n = p["hidden"], p["ffn"]
+    rows = (args.prefill_tokens,) + tuple(effort.decode_rows)
+    show(f"calibrate {dev['spec']}: matmul {dtype} rows x {k} -> {n} at {args.prefill_tokens} "
+         f"rows (prefill) and {', '.join(map(str, effort.decode_rows))} (decode)")
+    load = OtherLoad()
+    mm = {dtype: matmul_tflops(torch, dev["device"], getattr(torch, dtype), rows, k, n, effort,
+                               args.seed)}
+    if dtype != "bfloat16":
+        # a card needs its bf16 peak whatever the engine runs
+        show(f"calibrate {dev['spec']}: matmul bfloat16 at {args.prefill_tokens} rows")
+        mm["bfloat16"] = matmul_tflops(torch, dev["device"], torch.bfloat16,
+                                       (args.prefill_tokens,), k, n, effort, args.seed)
+    other["matmul"] = load.share()
+    peak = mm[dtype][args.prefill_tokens]
+    tflops_bf16 = mm["bfloat16"][args.prefill_tokens]
+
+    show(f"calibrate {dev['spec']}: engine decode steps of {FIT_MODEL} at "
+         f"{' and '.join(map(str, FIT_LAYERS))} layers, batch "
+         f"{', '.join(map(str, effort.fit_batches))}, {effort.fit_reps} steps each")
+    load = OtherLoad()
+    points = measure_steps(torch, dev, dtype, effort, args.seed)
+    other["steps"] = load.share()
+    elsize = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    spec = model_spec(FIT_MODEL)
+    for pt in points:
+        pt.update(predicted_floor(spec, pt["layers"], pt["batch"], pt["context"], elsize, timing,
+                                  peak))
+        pt["overhead_s"] = pt["step_s"] - pt["floor_s"]
+    fit = fit_overheads([q["layers"] for q in points], [q["batch"] for q in points],
+                        [q["overhead_s"] for q in points], [q["step_s"] for q in points])
+    for pt, f in zip(points, fit.pop("fitted_s")):
+        pt["fitted_s"] = pt["floor_s"] + float(f)
+        pt["residual_s"] = pt["step_s"] - pt["fitted_s"]
+        pt["relative_residual"] = pt["residual_s"] / pt["step_s"]
+    rel = np.array([q["relative_residual"] for q in points])
+    fit["rms_relative_residual"] = float(np.sqrt(np.mean(rel ** 2)))
+    fit["max_relative_residual"] = float(np.abs(rel).max())
+    busy = [[q["layers"], q["batch"]] for q in disturbed(points)]
+    if busy:
+        show(f"calibrate {dev['spec']}: warning: the steps of {len(busy)} of {len(points)} "
+             f"shapes varied as on a busy machine: calibrate again when nothing else runs")
+    loaded = {k: v for k, v in other.items() if v is not None and v > BUSY_OTHER_SHARE}
+    if loaded:
+        show(f"calibrate {dev['spec']}: warning: other processes took "
+             + ", ".join(f"{v:.0%} of the CPUs during {k}" for k, v in loaded.items())
+             + ": calibrate again when nothing else runs")
+
+    over = card_overheads(fit, p["layers"])
+    decode = mm[dtype]
+    name = args.name or f"calibrated-{dev['spec'].replace(':', '-')}"
+    probe_name = os.path.basename(p["probe"])
+    source = (
+        f"odma-hw calibrate on {dev['spec']} ({dev['name']}), torch {torch.__version__}, {when}. "
+        f"Bandwidth: torch reads of random runs, sequential read and copy "
+        f"({probe_name}). Matmul {dtype} {args.prefill_tokens} x {k} -> {n}: "
+        f"{peak:.4g} TFLOPS (mfu 1: the engine's matrix products reach this)"
+        + (f"; bfloat16 {tflops_bf16:.4g}" if dtype != "bfloat16" else "")
+        + "; at decode rows " + ", ".join(f"{r}: {decode[r]:.3g}" for r in effort.decode_rows)
+        + f" TFLOPS. Overheads fitted on {FIT_MODEL} engine decode steps at "
+        f"{'/'.join(map(str, FIT_LAYERS))} layers, batch "
+        f"{'/'.join(map(str, effort.fit_batches))}, {FIT_CONTEXT + 1}-token contexts: per "
+        f"layer {fit['layer_s'] * 1e6:.4g} us + a per-step {fit['step_s'] * 1e6:.4g} us shared "
+        f"over the {p['layers']} layers of {args.model}, per request "
+        f"{fit['request_s'] * 1e6:.4g} us, per request per layer "
+        f"{fit['layer_request_s'] * 1e6:.4g} us; rms relative residual "
+        f"{fit['rms_relative_residual']:.3f}, max {fit['max_relative_residual']:.3f}"
+        + (f" (WARNING: the steps of {len(busy)} of {len(points)} shapes varied as on a busy "
+           f"machine)" if busy else "")
+        + (" (WARNING: other processes ran during " + ", ".join(loaded) + ")" if loaded else "")
+        + ". link_gbps and link_latency_us are placeholders, not measured."
+        + (" (--quick: fewer repetitions)" if args.quick else ""))
+    values = {"name": name, "bandwidth_gbps": float(bw["seq_gbps"]),
+              "capacity_gb": dev["capacity_bytes"] / 1e9, "tflops_bf16": tflops_bf16}
+    if dtype == "float32":
+        values["tflops_fp32"] = peak
+    values.update({"mfu": 1.0,
+                   "matmul_tflops": {r: mm[dtype][r] for r in sorted(mm[dtype])},
+                   "timing": f"probe:{probe_name}",
+                   "link_gbps": LINK_GBPS_PLACEHOLDER,
+                   "link_latency_us": LINK_LATENCY_US_PLACEHOLDER,
+                   **over, "source": source})
+    comments = {
+        "bandwidth_gbps": ["sequential read through torch, GB/s (1e9 B/s)"],
+        "capacity_gb": ["the device's whole memory, GB" + (" (host memory)" if
+                                                          dev["device"].type == "cpu" else "")],
+        "tflops_bf16": [f"matmul throughput at {args.prefill_tokens} x {k} -> {n}, TFLOPS"],
+        "mfu": ["the figures above are what the engine's matmuls reach, not a datasheet peak"],
+        "matmul_tflops": [f"{dtype} matmul throughput by rows (tokens) in the product, TFLOPS: "
+                          f"a step's", "compute runs at its row count's"],
+        "timing": ["run-read bandwidth by run size, measured with the card"],
+        "link_gbps": ["placeholders, NOT measured (one device has no peer): PCIe 4.0 x16 per",
+                      "direction and a 10 us hop; they matter only for simulate --tp > 1"],
+        "layer_overhead_us": ["fitted overheads, microseconds per step: per layer (with the step's",
+                              f"own cost shared over the {p['layers']} layers of {args.model}), "
+                              f"per running", "request, per running request per layer"],
+    }
+    header = [f"device card of {dev['spec']}, written by odma-hw calibrate on {when}",
+              f"engine dtype {dtype}; `odma-hw simulate --device THIS_FILE` reads it"]
+    text = card_text(values, comments, header)
+    doc = probe_document(dev, bw, effort.run_sizes)
+    from odma_hw import jsonout
+
+    # the probe file first: a card never names a file that is not there yet
+    write_atomic(p["probe"], jsonout.dumps(doc, indent=1) + "\n")
+    write_atomic(p["card"], text)
+    return {
+        "schema": SCHEMA, "card": p["card"], "probe": p["probe"], "device": dev["spec"],
+        "device_name": dev["name"], "dtype": dtype, "quick": bool(args.quick),
+        "model": args.model, "card_values": values,
+        "bandwidth": {"seq_gbps": float(bw["seq_gbps"]), "copy_gbps": float(bw["copy_gbps"]),
+                      "runs_gbps": {str(s): float(v) for s, v in bw["runs_gbps"].items()},
+                      "runs_in_order_gbps": {str(s): float(v)
+                                             for s, v in bw["runs_in_order_gbps"].items()},
+                      "buffer_bytes": int(bw["buffer_bytes"]), "method": bw["method"]},
+        "matmul": {"shape": {"k": k, "n": n}, "prefill_rows": args.prefill_tokens,
+                   "tflops": {d: {str(r): v for r, v in t.items()} for d, t in mm.items()}},
+        "overheads": {"step_us": fit["step_s"] * 1e6, "layer_us": fit["layer_s"] * 1e6,
+                      "request_us": fit["request_s"] * 1e6,
+                      "layer_request_us": fit["layer_request_s"] * 1e6,
+                      "model_layers": p["layers"], "card": over,
+                      "rms_relative_residual": fit["rms_relative_residual"],
+                      "max_relative_residual": fit["max_relative_residual"],
+                      "fit_model": FIT_MODEL, "disturbed": busy, "points": points},
+        "other_cpu_share": other, "busy_phases": sorted(loaded),
+        "load_average_before": load_before,
+        "seconds": time.perf_counter() - started,
+    }
+
+
+def _bytes(n: int) -> str:
+    for unit, size in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size and n % size == 0:
+            return f"{n // size} {unit}"
+    return f"{n} B"
+
+
+def format_summary(r: dict) -> str:
+    v = r["card_values"]
+    bw = r["bandwidth"]
+    lines = [f"{r['device']} ({r['device_name']}), engine dtype {r['dtype']}"
+             + (" (--quick)" if r["quick"] else ""),
+             f"bandwidth: sequential {bw['seq_gbps']:.2f} GB/s, copy {bw['copy_gbps']:.2f} GB/s; "
+             "random runs: " + ", ".join(f"{_bytes(int(s))} {g:.2f}"
+                                         for s, g in bw["runs_gbps"].items()) + " GB/s"]
+    mm = r["matmul"]
+    for dtype, t in mm["tflops"].items():
+        parts = [f"{rows} rows {x:.4g}" for rows, x in t.items()]
+        lines.append(f"matmul {dtype} x {mm['shape']['k']} -> {mm['shape']['n']}: "
+                     + ", ".join(parts) + " TFLOPS")
+    o = r["overheads"]
+    c = o["card"]
+    lines.append(f"overheads fitted on {o['fit_model']} decode steps: per step "
+                 f"{o['step_us']:.1f} us, per layer {o['layer_us']:.1f} us, per request "
+                 f"{o['request_us']:.2f} us, per request per layer {o['layer_request_us']:.2f} us; "
+                 f"rms relative residual {o['rms_relative_residual']:.3f}, max "
+                 f"{o['max_relative_residual']:.3f}"
+                 + (f"; WARNING: {len(o['disturbed'])} shapes measured on a busy machine"
+                    if o["disturbed"] else ""))
+    lines.append(f"card overheads ({o['model_layers']} layers of {r['model']}): "
+                 f"layer_overhead_us {c['layer_overhead_us']:.1f}, request_overhead_us "
+                 f"{c['request_overhead_us']:.2f}, layer_request_overhead_us "
+                 f"{c['layer_request_overhead_us']:.2f}")
+    head = ["layers", "batch", "step ms", "floor ms", "fitted ms", "residual"]
+    rows = [head] + [[str(q["layers"]), str(q["batch"]), f"{q['step_s'] * 1e3:.3f}",
+                      f"{q['floor_s'] * 1e3:.3f}", f"{q['fitted_s'] * 1e3:.3f}",
+                      f"{q['relative_residual'] * 100:+.1f}%"] for q in o["points"]]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+    for row in rows:
+        lines.append("  " + "  ".join(c.rjust(w) for c, w in zip(row, widths)))
+    lines.append(f"card: {r['card']} (name {v['name']!r}; capacity {v['capacity_gb']:.1f} GB, "
+                 f"tflops_bf16 {v['tflops_bf16']:.4g}"
+                 + (f", tflops_fp32 {v['tflops_fp32']:.4g}" if "tflops_fp32" in v else "")
+                 + f"; link_gbps {v['link_gbps']:g} and link_latency_us "
+                   f"{v['link_latency_us']:g} are placeholders)")
+    lines.append(f"probe: {r['probe']}; {r['seconds']:.0f} s")
+    shares = {k: v for k, v in r["other_cpu_share"].items() if v is not None}
+    if shares:
+        lines.append("other processes' share of the CPUs: "
+                     + ", ".join(f"{k} {v:.0%}" for k, v in shares.items())
+                     + ("; WARNING: " + ", ".join(r["busy_phases"]) + " measured on a busy "
+                        "machine" if r["busy_phases"] else ""))
+    return "\n".join(lines)
+
+
+def _cmd(args) -> int:
+    from odma_hw import jsonout
+
+    def progress(text):
+        if not args.quiet:
+            sys.stderr.write(text + "\n")
+            sys.stderr.flush()
+
+    result = calibrate(args, progress)
+    print(jsonout.dumps(result, indent=1) if args.json else format_summary(result))
+    return 0
+
+
+def register(subparsers) -> None:
+    from odma_hw import argtypes
+
+    from allocator.serving.models import DTYPES, shipped_configs
+
+    p = subparsers.add_parser(
+        "calibrate", help="measure a torch device and write a card file for simulate --device",
+        description="Measure on a torch device what a card file needs, so that `odma-hw "
+                    "simulate --device CARD` predicts `odma-hw engine` there: the bandwidth of "
+                    "random contiguous runs by size, sequential and copy bandwidth (written "
+                    "beside the card as an `odma-hw probe --json` file, CARD.probe.json); matmul "
+                    "throughput at the engine's dtype at a prefill shape and at decode shapes of "
+                    "--model; and the per-layer, per-request and per-request-per-layer "
+                    "overheads of the engine's decode steps, fitted on the tiny-llama config at "
+                    "2 and 6 layers. link_gbps and link_latency_us are not measured: the card "
+                    "carries placeholders and says so. About 15 s on a quiet 2-core CPU "
+                    "(--quick: a few seconds); other processes running meanwhile make every "
+                    "figure wrong, and a warning says so.")
+    p.add_argument("--device", default="torch:cpu", metavar="torch:DEV",
+                   help="the torch device the engine runs on (default torch:cpu; torch:cuda:0, "
+                        "torch:mlu:0)")
+    p.add_argument("--out", required=True, metavar="CARD.toml",
+                   help="the card to write; its probe file goes beside it (CARD.probe.json). "
+                        "Checked before anything is measured")
+    p.add_argument("--name", default=None,
+                   help="the card's name (default calibrated-<device>, e.g. "
+                        "calibrated-torch-cpu)")
+    p.add_argument("--model", default="qwen2.5-0.5b", metavar="CONFIG",
+                   help=f"the model the card is for: its MLP's matmul (hidden -> "
+                        f"intermediate) is timed, and its layers share the per-step overhead "
+                        f"in layer_overhead_us. A config.json, a directory holding one, or one "
+                        f"of {', '.join(shipped_configs())} (default qwen2.5-0.5b)")
+    p.add_argument("--dtype", default=None, choices=list(DTYPES),
+                   help="the engine's dtype (default: float32 on a CPU, bfloat16 on a GPU or "
+                        "MLU); bfloat16 throughput is measured in any case")
+    p.add_argument("--prefill-tokens", type=argtypes.positive_int, default=256, metavar="N",
+                   help="rows of the prefill-shape matmul (default 256)")
+    p.add_argument("--quick", action="store_true",
+                   help="fewer repetitions, shapes and run sizes, and a quarter of the working "
+                        "set (for tests)")
+    p.add_argument("--seed", type=argtypes.seed, default=0,
+                   help="seeds the random runs, weights and tokens (default 0)")
+    p.add_argument("--json", action="store_true", help=f"print one JSON object ({SCHEMA})")
+    p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    p.set_defaults(func=_cmd)
