@@ -12,8 +12,8 @@ What it measures, in this order (each phase prints one progress line on stderr):
    shape of the engine's MLP up-projection) at the engine's dtype, weights cycled through
    enough copies to come from memory, not a cache: at a prefill shape (--prefill-tokens rows)
    and at decode shapes (1 .. 64 rows). The prefill shape's throughput is the card's peak at that
-   dtype with mfu = 1 (what the engine's matrix products reach); decode shapes are recorded in
-   `source` and the JSON.
+   dtype with mfu = 1 (what the engine's matrix products reach); every row count's goes into
+   the card's matmul_tflops table, by which the simulator costs each step's compute.
 3. overheads: Runner.decode steps of the engine (allocator/serving/torch_engine.py) on the
    tiny-llama config at 2 and 6 layers, several batch sizes, 16-token contexts in static
    blocks. From each step's median time the simulator's own memory and compute terms at that
@@ -418,22 +418,31 @@ def _decode_step(torch, runner, tokens):
     return step
 
 
-def predicted_floor(spec, layers: int, batch: int, context: int, elsize: int, timing,
-                    tflops: float) -> dict:
-    """The simulator's max(memory, compute) of one decode step of `spec` at `layers` layers
-    (allocator/serving/steptime.py): streamed weights at the sequential bandwidth plus each
-    request's 2 x layers x kv_heads contiguous KV runs of context x head_dim at their run
-    bandwidth, against 2 FLOPs per streamed weight per request plus attention over the
-    contexts at `tflops` (mfu 1). Bytes at the engine's element size (the engine keeps its
-    weights and KV in its own dtype)."""
-    m = dataclasses.replace(spec, layers=layers)
-    weights = m.streamed_params * elsize / (timing.seq_gbps * 1e9)
-    run = context * m.head_dim * elsize
-    runs = 2 * layers * m.kv_heads
-    kv = batch * runs * run / (float(timing.run_gbps(run)) * 1e9)
-    flops = 2.0 * m.streamed_params * batch + 4.0 * layers * m.heads * m.head_dim * batch * context
-    compute = flops / (tflops * 1e12)
-    return {"memory_s": weights + kv, "compute_s": compute, "floor_s": max(weights + kv, compute)}
+def predicted_floor(spec, layers: int, batch: int, context: int, dtype: str, timing,
+                    tflops: float, matmul: dict) -> dict:
+    """The simulator's own max(memory, compute) of one decode step (StepTimer.decode_terms) of
+    `spec` at `layers` layers, `batch` requests of `context` tokens each in contiguous blocks,
+    on a card of the figures just measured (`tflops` at the engine's `dtype`, the matmul table
+    by rows) and no overheads: what remains of a measured step is the overheads."""
+    from types import SimpleNamespace
+
+    from allocator.serving.engine import ServingSetup
+    from allocator.serving.presets import Accelerator
+    from allocator.serving.steptime import StepTimer
+
+    sim_dtype = {"float32": "fp32", "bfloat16": "bf16"}[dtype]
+    card = Accelerator("calibrating", timing.seq_gbps, 1e3, tflops, "ideal", 1.0, 0.0,
+                       tflops_fp32=tflops, layer_overhead_us=0.0, request_overhead_us=0.0,
+                       mfu=1.0, matmul_tflops=tuple(sorted(matmul.items())))
+    setup = ServingSetup(dataclasses.replace(spec, layers=layers), card, timing, dtype=sim_dtype,
+                         max_model_len=context + 1, mfu=1.0)
+    timer = StepTimer(setup, "contiguous")
+    for _ in range(batch):
+        r = SimpleNamespace()
+        timer.linearize(r, 0, context, None)
+        timer.add(r, +1)
+    memory, compute = timer.decode_terms(batch, 0)
+    return {"memory_s": memory, "compute_s": compute, "floor_s": max(memory, compute)}
 
 
 # ----------------------------------------------------------------------------- the card
@@ -591,11 +600,10 @@ def calibrate(args, progress=None) -> dict:
     load = OtherLoad()
     points = measure_steps(torch, dev, dtype, effort, args.seed)
     other["steps"] = load.share()
-    elsize = torch.empty((), dtype=getattr(torch, dtype)).element_size()
     spec = model_spec(FIT_MODEL)
     for pt in points:
-        pt.update(predicted_floor(spec, pt["layers"], pt["batch"], pt["context"], elsize, timing,
-                                  peak))
+        pt.update(predicted_floor(spec, pt["layers"], pt["batch"], pt["context"], dtype, timing,
+                                  peak, mm[dtype]))
         pt["overhead_s"] = pt["step_s"] - pt["floor_s"]
     fit = fit_overheads([q["layers"] for q in points], [q["batch"] for q in points],
                         [q["overhead_s"] for q in points], [q["step_s"] for q in points])

@@ -24,6 +24,7 @@ from allocator.serving.engine import (PAGED_LAYOUTS, SCHEDULES, PrefixSettings, 
 from allocator.serving.models import shipped_configs
 from allocator.serving.presets import (DTYPE_BYTES, MODEL_ALIASES, MODELS, accelerator,
                                       card_names, model_spec)
+from allocator.serving.scheduler import check_scheduling
 from allocator.serving.timing import EmuSettings, make_timing
 from allocator.trace import (RequestTrace, arrival_seconds, load_trace, load_trace_once,
                              trace_check)
@@ -111,9 +112,7 @@ def simulate(trace, policies=("odma", "static", "paged"), rates=(None,), *,
     closed = setup_args.get("concurrency") is not None
     arrivals = [np.zeros(len(trace)) if closed and rate is None
                 else arrival_seconds(trace, rate, time_scale, seed) for rate in rates]
-    if closed and setup_args["concurrency"] % replicas:
-        raise BadArgument(f"--concurrency {setup_args['concurrency']} does not split evenly "
-                          f"over {replicas} replicas (each keeps its share in flight)")
+    check_scheduling(setup.max_batch, setup.max_batched_tokens, setup.concurrency, replicas)
     _, _, _, setup.max_model_len, _, _ = fit_lengths(trace, max_model_len, m, clip)
     for p in policies:
         check_policy(setup, p, prefix)
@@ -353,6 +352,9 @@ def sweep_checks() -> list[ValueCheck]:
             trace = trace.head(a.requests)
         fit_lengths(trace, a.max_model_len, model_spec(a.model), a.clip)
 
+    def scheduling(a):
+        check_scheduling(a.max_batch, a.max_num_batched_tokens, a.concurrency, a.replicas)
+
     def timing(a):
         dev = accelerator(a.device)
         emu = card_emu(dev, a.channels, interleave=a.interleave)
@@ -366,6 +368,8 @@ def sweep_checks() -> list[ValueCheck]:
             ValueCheck("device", ("device",), lambda a: accelerator(a.device)),
             ValueCheck("dtype", ("dtype", "device"),
                        lambda a: accelerator(a.device).peak_tflops(a.dtype)),
+            ValueCheck("scheduling", ("max_batch", "max_num_batched_tokens", "concurrency",
+                                      "replicas"), scheduling),
             ValueCheck("timing", ("timing", "device", "channels", "interleave"), timing)]
 
 

@@ -160,8 +160,9 @@ class Scheduler:
     """Every decision of one replica serving its requests, on a KV allocator, with an optional
     prefix cache, iteration level:
     - arrivals: a request is sent at its arrival time; with `concurrency` C (closed loop, as
-      `vllm bench serve --max-concurrency C` makes it) at most C are in flight, and the m-th
-      request (in arrival order) is sent no earlier than the (m - C + 1)-th completion;
+      `vllm bench serve --max-concurrency C` makes it) at most C are in flight: request m
+      (counting from 0 in arrival order) is sent no earlier than completion m - C (counting
+      from 0 in the order completions come);
     - admission: waiting requests in the queue's order while the allocator can reserve their KV
       (the whole context: prompt and, after a preemption, what it made; no skipping) and the
       batch holds at most max_batch requests; a cached prefix is restored into the new block.
@@ -414,9 +415,10 @@ class Scheduler:
 
 
 def check_scheduling(max_batch: int, max_batched_tokens: int | None,
-                     concurrency: int | None) -> None:
+                     concurrency: int | None, replicas: int = 1) -> None:
     """BadArgument for settings no scheduler can run: vLLM's rule that a step's token budget
-    holds at least one decode token per running request."""
+    holds at least one decode token per running request; a closed loop's places split evenly
+    over the replicas."""
     if max_batched_tokens is not None and not (isinstance(max_batched_tokens, int)
                                                and max_batched_tokens >= max_batch):
         raise BadArgument(f"--max-num-batched-tokens {max_batched_tokens} must be an integer of "
@@ -424,6 +426,9 @@ def check_scheduling(max_batch: int, max_batched_tokens: int | None,
                           f"one token per step within that budget")
     if concurrency is not None and not (isinstance(concurrency, int) and concurrency >= 1):
         raise BadArgument(f"--concurrency must be a positive integer, got {concurrency!r}")
+    if concurrency is not None and concurrency % replicas:
+        raise BadArgument(f"--concurrency {concurrency} does not split evenly over {replicas} "
+                          f"replicas (each keeps its share in flight)")
 
 
 DISTANCE = {"device": 0, "host": 1, "disk": 2, None: 3}   # a tier's distance from the device

@@ -259,6 +259,12 @@ class StepTimer:
         tot["kv_bytes"] += k * ab + sb * tri
         tot["batch_seconds"] += nb * secs
 
+    def decode_terms(self, nb: int, step: int) -> tuple[float, float]:
+        """(memory, compute) seconds of a decode step of the nb running requests at `step`, the
+        overheads left out: what `odma-hw calibrate` takes from a measured step to fit them."""
+        _, m0, m1, f0, f1 = self._decode_lines(nb)
+        return m0 + m1 * step, f0 + f1 * step
+
     def decode_span(self, nb: int, step: int, k: int, dt: float | None, tot) -> tuple[int, float]:
         """Run decode steps from `step` with nb requests: at most k (the next event), and no
         more than reach dt seconds when dt is given (a request arrives then). Returns (steps,

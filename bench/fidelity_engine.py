@@ -1,0 +1,96 @@
+"""Simulate against the real engine on the same machine: `odma-hw engine` serves slices of the
+shared traces on a torch device, `odma-hw simulate` predicts the same runs from a card that
+`odma-hw calibrate` measured on that device, and the table sets the two side by side.
+
+    .venv/bin/python bench/fidelity_engine.py --card CARD.toml [--requests 32]
+        [--prompt-cap 128] [--output-cap 32] [--max-batch 16] [--budget 256]
+
+Every request of a slice arrives at once (the traces' lengths, not their times), prompts and
+outputs cut as for the engine's table; each (trace, policy, scheduler) is one engine run and one
+simulate run with the same flags (prefill-first, and chunked prefill at --budget tokens per
+step). The card is the only link between the two: nothing is fitted to these runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from engine_table import lengths_only  # noqa: E402
+
+METRICS = (("output_tps", "output tok/s", lambda r: r["output_tps"]),
+           ("tpot_p50", "TPOT p50 (ms)", lambda r: r["tpot_s"]["p50"] * 1e3),
+           ("ttft_p50", "TTFT p50 (s)", lambda r: r["ttft_s"]["p50"]))
+
+
+def odma_hw(*args) -> dict:
+    exe = os.path.join(os.path.dirname(sys.executable), "odma-hw")
+    out = subprocess.run([exe, *args, "--json"], check=True, capture_output=True, text=True)
+    return json.loads(out.stdout)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--card", required=True)
+    p.add_argument("--model", default="qwen2.5-0.5b")
+    p.add_argument("--requests", type=int, default=32)
+    p.add_argument("--prompt-cap", type=int, default=128)
+    p.add_argument("--output-cap", type=int, default=32)
+    p.add_argument("--max-batch", type=int, default=16)
+    p.add_argument("--kv-pool-mb", type=float, default=64.0)
+    p.add_argument("--budget", type=int, default=256)
+    p.add_argument("--policy", default="odma,paged")
+    p.add_argument("--traces", default="azure_conv_2023.csv,sharegpt_8k.csv")
+    p.add_argument("--json", action="store_true")
+    a = p.parse_args(argv)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in a.traces.split(","):
+            full = lengths_only(name, tmp)
+            # the cut slice as its own trace, so that simulate serves exactly what the engine does
+            with open(full) as f:
+                lines = f.read().splitlines()[1:a.requests + 1]
+            trace = os.path.join(tmp, f"cut-{name}")
+            with open(trace, "w") as g:
+                g.write("num_prefill_tokens,num_decode_tokens\n")
+                for line in lines:
+                    prompt, gen = map(int, line.split(","))
+                    g.write(f"{min(prompt, a.prompt_cap)},{max(1, min(gen, a.output_cap))}\n")
+            for sched in ([], ["--max-num-batched-tokens", str(a.budget)]):
+                common = ["--trace", trace, "--model", a.model, "--max-batch", str(a.max_batch),
+                          "--policy", a.policy, *sched]
+                eng = odma_hw("engine", *common, "--kv-pool-mb", str(a.kv_pool_mb))
+                sim = odma_hw("simulate", *common, "--device", a.card, "--dtype", "fp32",
+                              "--kv-pool-gb", str(a.kv_pool_mb / 1e3))
+                for e, s in zip(eng["results"], sim["results"]):
+                    row = {"trace": name.removesuffix(".csv"), "policy": e["policy"],
+                           "scheduler": f"chunked {a.budget}" if sched else "prefill-first"}
+                    for key, _, get in METRICS:
+                        row[key] = {"engine": get(e), "simulate": get(s),
+                                    "ratio": get(s) / get(e)}
+                    rows.append(row)
+                    print(f"{row['trace']} {row['policy']} {row['scheduler']}: " + ", ".join(
+                        f"{key} {row[key]['simulate']:.3g} / {row[key]['engine']:.3g}"
+                        for key, _, _ in METRICS), file=sys.stderr, flush=True)
+    if a.json:
+        print(json.dumps({"rows": rows}, indent=1))
+        return 0
+    print("| trace | policy | scheduler | " + " | ".join(
+        f"{label}: engine / simulate" for _, label, _ in METRICS) + " |")
+    print("|---|---|---|" + "---|" * len(METRICS))
+    for r in rows:
+        print(f"| {r['trace']} | {r['policy']} | {r['scheduler']} | " + " | ".join(
+            f"{r[k]['engine']:.3g} / {r[k]['simulate']:.3g} ({r[k]['ratio'] - 1:+.0%})"
+            for k, _, _ in METRICS) + " |")
+    worst = max(abs(r[k]["ratio"] - 1) for r in rows for k, _, _ in METRICS)
+    print(f"\nlargest difference {worst:.0%} over {len(rows)} rows x {len(METRICS)} metrics")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
