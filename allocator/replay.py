@@ -6,9 +6,12 @@ prompt p holds p + k tokens at step s + k and completes at the end of step s + g
 generated length in the trace). Requests arrive at arrived_at (seconds, times --time-scale) or as
 a Poisson process at --rate (or all at step 0 when the trace has no arrival times); they wait in
 one FCFS queue and are admitted, in order, while the policy can reserve their block. A request
-that outgrows its block calls grow(), which migrates it; when that raises OutOfMemory the request
-is preempted (block freed, rerun from scratch at the head of the queue) and counted. No request is
-ever dropped: the replay ends when every request has completed.
+that outgrows its block calls grow(), which migrates it; when that raises OutOfMemory the running
+request admitted last is preempted (block freed, rerun from scratch at the head of the queue) and
+counted, and the grow is tried again, until it succeeds or the request itself was the last
+admitted (as vLLM preempts its lowest-priority request): the request admitted first always makes
+progress, so a pool too busy for every request's growth cannot cycle forever. No request is ever
+dropped: the replay ends when every request has completed.
 
 The replay is event driven: between two events (an arrival, a completion, a block outgrown)
 nothing changes but token counts, which it integrates in closed form, so a 30k-request trace
@@ -219,6 +222,7 @@ class _Replay:
         self.waiting: collections.deque = collections.deque()
         self.next_arrival = 0              # index into arrival_order of the next to arrive
         self.running = _RunningSet()
+        self.live: dict = {}               # running requests, in the order of their admission
         self.preemptions = 0               # every OutOfMemory preempts: also the OOM count
         self.completed = 0
         self.used_total = 0                # over completed requests: prompt + generated
@@ -296,6 +300,7 @@ class _Replay:
             self.start[i] = T
             self.cap[i] = c = blk.capacity_tokens
             self.running.join(prompt[i], T, c)
+            self.live[i] = None
             self._schedule_outgrowing(i)
             heapq.heappush(self.events, (T + self.gen[i], _FINISHED, i, self.epoch[i]))
 
@@ -308,16 +313,24 @@ class _Replay:
                                          self.epoch[i]))
 
     def _grow_or_preempt(self, i: int, T: int) -> None:
-        """Request i outgrew its block at step T: grow it (the allocator may migrate it), or on
-        OutOfMemory preempt it."""
+        """Request i outgrew its block at step T: grow it (the allocator may migrate it); on
+        OutOfMemory preempt the running request admitted last (not one that completes at T)
+        and try again, until i itself is that request and is preempted."""
         total = self.prompt[i] + T - self.start[i]
-        try:
-            if self.real_bytes:  # the KV written so far is what a migration must copy
-                self.alloc.block(i).mark_written((total - 1) * self.bytes_per_token)
-            blk = self.alloc.grow(i, total)
-        except OutOfMemory:
-            self._preempt(i, T)
-            return
+        while True:
+            try:
+                if self.real_bytes:  # the KV written so far is what a migration must copy
+                    self.alloc.block(i).mark_written((total - 1) * self.bytes_per_token)
+                blk = self.alloc.grow(i, total)
+                break
+            except OutOfMemory:
+                # least progress loses least; ties to the one admitted last
+                victim = min((v for v in reversed(self.live)
+                              if v == i or self.start[v] + self.gen[v] != T),
+                             key=lambda v: T - self.start[v])
+                self._preempt(victim, T)
+                if victim == i:
+                    return
         self.overflowed[i] = True
         if blk.bucket == LARGE:
             self.went_large[i] = True
@@ -331,6 +344,7 @@ class _Replay:
         self.alloc.release(i, preempted=True)
         self.epoch[i] += 1
         self.running.leave(self.prompt[i], self.start[i], self.cap[i])
+        del self.live[i]
         # rerun from scratch, knowing it makes more than the tokens it reached
         self.predicted[i] = after_preemption(self.predicted[i], T - 1 - self.start[i])
         self.waiting.appendleft(i)
@@ -341,6 +355,7 @@ class _Replay:
         self.alloc.release(i, gen)
         self.pred.observe(self.requests[i], gen)
         self.running.leave(self.prompt[i], self.start[i], self.cap[i])
+        del self.live[i]
         self.completed += 1
         self.used_total += self.prompt[i] + gen
         self.reserved_total += self.cap[i]

@@ -198,3 +198,28 @@ def test_a_bad_plot_path_is_refused_before_the_replay(tmp_path, capsys, monkeypa
     assert exit_code(["replay", "--trace", str(path), "--device", "none", "--plot", plot]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize("policy", ["odma", "s3", "paged", "extent"])
+def test_a_pool_too_busy_for_every_growth_never_cycles(policy):
+    """A pool of a few long requests: growth keeps failing. Preempting the request that failed
+    to grow let s3 cycle forever (each rerun from scratch grew into the same wall); preempting
+    the one with the least progress lets the most advanced always finish."""
+    import signal
+
+    rng = np.random.default_rng(0)
+    n = 600
+    trace = Trace(rng.integers(1, 301, n), rng.integers(1, 701, n), None, name="busy")
+
+    def stuck(*_):
+        raise AssertionError(f"{policy}: the replay did not finish in 60 s")
+    old = signal.signal(signal.SIGALRM, stuck)
+    signal.alarm(60)
+    try:
+        r = run_replay(trace, policy, bytes_per_token=64, pool_bytes=800 * 64 * 2,
+                       max_tokens=1000)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+    assert r["completed"] == n
+    assert r["preemptions"] > 0                  # growth did fail
