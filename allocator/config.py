@@ -52,9 +52,13 @@ class AllocatorConfig:
     #                                 timing source when left None
     extent_knee_fraction: float = 0.9  # the knee is the shortest run that reads at this
     #                                    fraction of the sequential bandwidth
+    # elastic admission: a request's predicted final footprint is prompt + L x (1 + demand_bound
+    # x u), u the predictor's relative distance to its 95 % upper bound: 0 = the prediction
+    # itself, 1 = that upper bound
+    demand_bound: float = 0.0
 
     def __post_init__(self):
-        for name in ("alpha", "tau", "migration_penalty"):
+        for name in ("alpha", "tau", "migration_penalty", "demand_bound"):
             amount(name, getattr(self, name), allow_inf=name == "tau")
         for name in ("n_buckets", "window", "refresh_every", "token_alignment", "extent_max"):
             v = getattr(self, name)

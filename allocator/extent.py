@@ -318,3 +318,81 @@ class ExtentAllocator(RegionPool):
                     f"{len(used)} used ranges for {extents} live extents and "
                     f"{self._migrating} merges")
             self._require_tiling()
+
+
+ELASTIC_EXTENTS = 16
+
+
+class ElasticAllocator(ExtentAllocator):
+    """The extent allocator for admission by predicted demand instead of reservation: memory is
+    committed as tokens come, and a scheduler admits a request only while the predicted
+    remaining need of everything running (AllocatorConfig.demand_bound) and the request's own
+    predicted footprint fit the free pool; when a growth finds no room, the request with the
+    least progress is preempted, not necessarily the one growing. `admission` tells the
+    scheduler so.
+
+    Every extent is a knee long (growth appends one knee), at most ELASTIC_EXTENTS of them
+    before a merge. The first placement holds the prompt and one knee of room, in either region; where no free
+    range is that long (a pool of many extents fragments), it is taken in pieces, halving down
+    to the knee: a short piece is read as its own run, still at the knee's efficiency, where
+    paging would read pages and ODMA would wait for one long range."""
+
+    admission = "demand"
+
+    def __init__(self, device, pool_bytes: int, bytes_per_token: int, max_tokens: int,
+                 config=None):
+        import dataclasses
+
+        # committed a knee at a time, as paging commits a page at a time; 16 extents of at
+        # least a knee before a merge, so that growth seldom copies
+        config = check_config(config)
+        config = dataclasses.replace(config, extent_first="knee", extent_growth="knee",
+                                     extent_max=max(config.extent_max, ELASTIC_EXTENTS))
+        super().__init__(device, pool_bytes, bytes_per_token, max_tokens, config)
+        self.name = "elastic"
+        self.split_reserves = 0       # first placements taken in more than one piece
+
+    def reserve(self, request_id, prompt_tokens: int, predicted_tokens: float = 0.0,
+                uncertainty: float = 0.0) -> ExtentBlock:
+        """A new request's first extents: its prompt and one knee of room, whole or in pieces of
+        at least a knee. Raises DuplicateRequest, BadArgument, OutOfMemory, AllocatorClosed
+        (nothing changed)."""
+        prompt, p = self._place(prompt_tokens, predicted_tokens, uncertainty)
+        total = min(align_up(prompt + self.knee_tokens, self.token_alignment), self.max_tokens)
+        with self._lock:
+            self._check_new(request_id)
+            pieces = self._take_pieces(total)
+            if not pieces:
+                self.reserve_failures += 1
+                raise OutOfMemory(f"no {total}-token room for request {request_id!r}, whole "
+                                  f"or in pieces of {self.knee_tokens} tokens or more")
+            self.split_reserves += len(pieces) > 1
+            blk = ExtentBlock(self, request_id, tuple(pieces), "knee", prompt, prompt, None)
+            self._live[request_id] = blk
+        return blk
+
+    def _take_pieces(self, total: int) -> list:
+        """Lock held: extents holding `total` tokens, the longest free ranges first, none
+        shorter than the knee (or than what is left): [] (nothing taken) when they do not
+        fit."""
+        pieces, left, size = [], total, total
+        while left > 0:
+            size = min(size, left)
+            nbytes = self.block_bytes(size)
+            for region in self._regions:
+                off = region.alloc(nbytes)
+                if off >= 0:
+                    pieces.append((off, nbytes, size, region))
+                    left -= size
+                    break
+            else:
+                if size <= min(self.knee_tokens, left):
+                    for off, _, _, region in pieces:
+                        region.free(off)
+                    return []
+                size = max(min(self.knee_tokens, left),
+                           align_up(size // 2, self.token_alignment))
+        return pieces
+
+    def stats(self) -> dict:
+        return dict(super().stats(), split_reserves=self.split_reserves)

@@ -27,7 +27,8 @@ requests (learn). ContiguousPool (contiguous.py) does everything else.
 
 RacmAllocator, StaticAllocator, S3Allocator and OracleAllocator are a ContiguousPool with that
 policy; PagedAllocator (paged.py) is vLLM's paging over the same device pool helper;
-ExtentAllocator (extent.py) holds a request in a few extents, the first placed by OdmaPolicy.
+ExtentAllocator (extent.py) holds a request in a few extents, the first placed by OdmaPolicy;
+ElasticAllocator is that with a knee-sized first extent, admitted by predicted demand.
 POLICIES maps the names the command line uses to them.
 """
 
@@ -42,7 +43,7 @@ from odma_hw.errors import BadArgument
 from allocator.buckets import QuantileBuckets, align_up, equal_width_bounds
 from allocator.config import AllocatorConfig, check_config
 from allocator.contiguous import ContiguousPool
-from allocator.extent import ExtentAllocator
+from allocator.extent import ElasticAllocator, ExtentAllocator
 from allocator.paged import PagedAllocator
 
 LARGE = "large"
@@ -226,7 +227,8 @@ class S3Allocator(PolicyAllocator):
 
 
 POLICIES = {"odma": RacmAllocator, "static": StaticAllocator, "s3": S3Allocator,
-            "paged": PagedAllocator, "oracle": OracleAllocator, "extent": ExtentAllocator}
+            "paged": PagedAllocator, "oracle": OracleAllocator, "extent": ExtentAllocator,
+            "elastic": ElasticAllocator}
 
 
 def make_allocator(policy: str, device, pool_bytes: int, bytes_per_token: int, max_tokens: int,

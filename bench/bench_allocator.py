@@ -154,16 +154,16 @@ def test_contiguous_vs_paged_kv_read_on_emulated_lpddr5(benchmark):
 
 
 def test_reserve_grow_release_extent_vs_odma(benchmark):
-    """The extent policy's own cost against ODMA's: reserve, grow past the first block (ODMA
-    migrates, extent appends), release, with 10k other requests live; both in one run,
-    alternating, on an accounting-only pool. extra_info: the median microseconds of each and
-    extent / odma."""
+    """The extent and elastic policies' own cost against ODMA's: reserve, grow past the first
+    block (ODMA migrates, extent and elastic append), release, with 10k other requests live; all
+    in one run, alternating, on an accounting-only pool. extra_info: the median microseconds of
+    each, extent / odma and elastic / odma."""
     from allocator import make_allocator
 
     bpt, live = 64, 10_000
     cfg = AllocatorConfig(background_refresh=False, extent_knee_tokens=256)
     allocs = {p: make_allocator(p, None, (live + 1000) * 1100 * bpt, bpt, 2048, cfg)
-              for p in ("odma", "extent")}
+              for p in ("odma", "extent", "elastic")}
     rng = random.Random(1)
     for alloc in allocs.values():
         for i in range(live):
@@ -186,7 +186,8 @@ def test_reserve_grow_release_extent_vs_odma(benchmark):
     benchmark.pedantic(both, rounds=5_000, iterations=1, warmup_rounds=200)
     med = {p: float(np.median(t[200:])) * 1e6 for p, t in times.items()}
     benchmark.extra_info.update({f"{p}_median_us": v for p, v in med.items()})
-    benchmark.extra_info["extent_over_odma"] = med["extent"] / med["odma"]
+    for p in ("extent", "elastic"):
+        benchmark.extra_info[f"{p}_over_odma"] = med[p] / med["odma"]
     for alloc in allocs.values():
         alloc.check()
         alloc.close()

@@ -237,7 +237,7 @@ class Simulation:
                  progress=None, prefix: PrefixSettings | None = None):
         self.s = setup
         self.policy = policy
-        self.layout = ("extent" if policy == "extent" else
+        self.layout = ("extent" if policy in ("extent", "elastic") else
                        setup.paged_layout if policy == "paged" else "contiguous")
         self.requests = requests
         self.progress = progress
@@ -259,7 +259,7 @@ class Simulation:
                     disk_write_gbps=prefix.disk_write_gbps))
         self.prefix = prefix
         # extents grow by this card's knee, which only the timing source knows
-        config = extent_config(setup) if policy == "extent" else setup.config
+        config = extent_config(setup) if self.layout == "extent" else setup.config
         self.alloc = make_allocator(policy, None, pool, bpt, setup.max_model_len,
                                     config, page_tokens=setup.page_tokens)
         predictor = make_predictor("oracle" if policy == "oracle" else setup.predictor,
@@ -273,6 +273,19 @@ class Simulation:
             prefetch=prefix.prefetch if prefix else 0, tot=self.tot,
             max_batched_tokens=setup.max_batched_tokens, concurrency=setup.concurrency)
         self.timer = StepTimer(setup, self.layout)
+        # a running request's tokens are counted lazily (made at start_step): what the
+        # scheduler's least-progress rule reads, and what a request preempted to make room
+        # for another's growth settles before it leaves the batch
+        sched = self.sched
+
+        def context_of(i, r):
+            return r.prompt + r.made + (self.step - r.start_step if i in sched.running else 0)
+
+        def evicting(i, r):
+            r.made += self.step - r.start_step
+            r.start_step = self.step
+            self.timer.add(r, -1)
+        sched.context_of, sched.evicting = context_of, evicting
         self.events: list = []     # (step, kind, request, epoch): 0 done, 1 outgrown, 2 re-read
         self.step = 0              # decode steps done; the next one has this index
         self.dma_busy_until = 0.0  # prefetches and offers: the copy engine, beside compute

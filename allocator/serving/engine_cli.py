@@ -31,9 +31,11 @@ def prepare(args):
     if importlib.util.find_spec("torch") is None:
         raise DeviceUnavailable("the engine needs torch; pip install 'odma-hw[torch]'")
     policies = parse_policies(args.policy, extra=("hf",))
-    if "extent" in policies:
-        raise BadArgument("--policy extent is simulated, not yet executed: the engine's attention "
-                          "reads one contiguous block or pages (odma, static, s3, oracle, paged)")
+    extents = [p for p in policies if p in ("extent", "elastic")]
+    if extents:
+        raise BadArgument(f"--policy {extents[0]} is simulated, not yet executed: the engine's "
+                          f"attention reads one contiguous block or pages (odma, static, s3, "
+                          f"oracle, paged)")
     config, weights = load_config(args.model)
     trace = load_trace(args.trace)
     if args.requests is not None:

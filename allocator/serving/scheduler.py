@@ -20,6 +20,7 @@ from __future__ import annotations
 import collections
 import heapq
 import itertools
+import math
 
 from odma_hw.errors import BadArgument
 
@@ -178,7 +179,13 @@ class Scheduler:
       allocator may migrate it), and on OutOfMemory it is preempted: its KV is freed and it goes
       back to the front of the queue, to prefill its prompt and what it made again (recompute);
     - a request that has made all its tokens finishes: its KV is freed (and offered to the
-      cache). A request done in its prefill never grows: its last token is output, never read.
+      cache). A request done in its prefill never grows: its last token is output, never read;
+    - an allocator whose `admission` is "demand" (ElasticAllocator) commits KV as tokens come, so
+      admission also asks that the predicted remaining need of every admitted request (its
+      predicted final footprint, prompt + L x (1 + demand_bound x u), beyond what it holds) and
+      the new request's whole footprint fit the free pool; and a growth that finds no room
+      preempts the running request with the least progress (fewest tokens of context; ties to
+      the one admitted last), again until the growth fits or the grower is that request.
     What a decision costs in time is not decided here: the caller's executor (a timing model, or
     a real model's forward passes) costs or runs the steps. `tot` counts the decisions; `log`,
     when given, records each one as (what, request id) in the order made; `migrate`, when given,
@@ -212,6 +219,12 @@ class Scheduler:
         self.sent = 0                  # requests of `order` sent so far
         self.concurrency = concurrency
         self.finish_times: list = []   # of the completions, in the order they came
+        self.demand = getattr(alloc, "admission", "reserve") == "demand"
+        self.bound = getattr(getattr(alloc, "config", None), "demand_bound", 0.0)
+        # the executor's view of a running request's context now (the simulation counts its
+        # tokens lazily), and what it must do before one is preempted to make room
+        self.context_of = lambda i, r: r.prompt + r.made
+        self.evicting = lambda i, r: None
 
     @property
     def chunked(self) -> bool:
@@ -254,6 +267,7 @@ class Scheduler:
         Raises BadArgument for a request that does not fit in an empty pool (it never could)."""
         admitted, tokens, restore = [], 0, 0.0
         waiting, cache, tot = self.waiting, self.cache, self.tot
+        need = None                    # demand admission: the admitted requests' remaining need
         while waiting and (len(self.running) + len(self.prefilling) + len(admitted)
                            < self.max_batch):
             if budget is not None and tokens >= budget:
@@ -266,6 +280,13 @@ class Scheduler:
             if r.predicted is None:
                 r.predicted = self.predictor.predict(_request(i, r))
             L, u = r.predicted
+            if self.demand:
+                if need is None:
+                    need = self._remaining_need()
+                mine = self._footprint(r)
+                if (self.running or self.prefilling or admitted) and \
+                        (need + mine) * self.bpt > self.alloc.pool_bytes - self.alloc.reserved_bytes:
+                    break
             try:
                 blk = self.alloc.reserve(i, held, max(0.0, L - r.made), u)
             except OutOfMemory:
@@ -276,6 +297,8 @@ class Scheduler:
                 break
             waiting.remove(i)
             self._note("admit", i)
+            if need is not None:       # what it holds now is committed: the rest is need
+                need += max(0, mine - blk.capacity_tokens)
             covered = 0
             if cache is not None and r.prefix:
                 tier = self.tier_of(r)
@@ -361,12 +384,18 @@ class Scheduler:
         # the KV written so far (every token before this step's): what a migration copies
         old.mark_written(min((total - 1) * self.bpt, old.nbytes))
         before = alloc.migrated_bytes
-        try:
-            blk = (alloc.grow(i, total) if self.migrate is None
-                   else alloc.grow(i, total, copy=self.migrate))
-        except OutOfMemory:
-            self._note("oom", i)
-            raise
+        while True:
+            try:
+                blk = (alloc.grow(i, total) if self.migrate is None
+                       else alloc.grow(i, total, copy=self.migrate))
+                break
+            except OutOfMemory:
+                self._note("oom", i)
+                victim = self._least_progress(i) if self.demand else i
+                if victim == i:
+                    raise
+                self.evicting(victim, self.reqs[victim])
+                self.preempt(victim, self.reqs[victim])
         if blk is not old:
             self._note("migrate", i)
         return blk, (0 if blk is old else alloc.migrated_bytes - before)
@@ -408,6 +437,32 @@ class Scheduler:
         self.finish_times.append(t)
         return offered
 
+
+    def _footprint(self, r) -> int:
+        """A request's predicted final footprint in tokens (demand admission): its prompt and
+        L x (1 + demand_bound x u) generated, at least what it holds, at most max_tokens."""
+        L, u = r.predicted
+        gen = L * (1.0 + self.bound * u) if self.bound else L
+        top = self.alloc.max_tokens
+        if not gen < top:              # no idea (u infinite) or beyond any request: the most
+            return top
+        return min(max(r.prompt + r.made + 1, r.prompt + math.ceil(gen)), top)
+
+    def _remaining_need(self) -> int:
+        """Tokens the admitted requests are predicted to need beyond what they hold."""
+        block = self.alloc.block
+        return sum(max(0, self._footprint(r) - block(i).capacity_tokens)
+                   for group in (self.running, self.prefilling) for i, r in group.items())
+
+    def _least_progress(self, grower) -> int:
+        """The running request with the fewest tokens of context (the cheapest to recompute);
+        ties to the one admitted last."""
+        best, best_ctx = grower, self.context_of(grower, self.reqs[grower])
+        for i, r in reversed(self.running.items()):
+            ctx = self.context_of(i, r)
+            if ctx < best_ctx:
+                best, best_ctx = i, ctx
+        return best
 
     def _note(self, what: str, i) -> None:
         if self.log is not None:
