@@ -206,3 +206,53 @@ def test_the_engine_refuses_elastic_in_one_line(tmp_path, capsys):
     assert main(["engine", "--trace", str(trace), "--policy", "elastic"]) == 2
     err = capsys.readouterr().err.strip()
     assert "elastic" in err and len(err.splitlines()) == 1
+
+
+def test_a_write_racing_knee_appends_and_merges_lands_or_is_refused():
+    """A writer thread writes 64 B at token offsets of the request's first 32 tokens while the
+    main thread grows it a knee at a time through several merges (16 extents each): every write
+    that returned normally is in the final block."""
+    import random
+    import threading
+    import time
+
+    from allocator import RequestBusy, StaleBlock
+    from test_allocator_trust import SlowWriteDevice
+
+    rng = random.Random(7)
+    cfg = AllocatorConfig(background_refresh=False, extent_knee_tokens=16)
+    with ElasticAllocator(SlowWriteDevice(seed=3), 256 << 20, 4096, 4096, cfg) as alloc:
+        for trial in range(6):
+            rid = ("r", trial)
+            alloc.reserve(rid, 16, 16)
+            last: dict = {}
+            stop = threading.Event()
+
+            def write_loop(seed):
+                wr = random.Random(seed)
+                k = 0
+                while not stop.is_set():
+                    off = wr.randrange(32) * 4096
+                    data = k.to_bytes(8, "little") * 8
+                    k += 1
+                    try:
+                        alloc.block(rid).write(data, off)
+                    except (RequestBusy, StaleBlock):
+                        continue
+                    last[off] = data
+
+            t = threading.Thread(target=write_loop, args=(rng.random(),))
+            t.start()
+            total = alloc.block(rid).capacity_tokens
+            while total < 1200:
+                total += 16
+                if rng.random() < 0.2:
+                    time.sleep(rng.random() * 1e-3)
+                alloc.grow(rid, total)
+            stop.set()
+            t.join()
+            final = alloc.block(rid)
+            assert all(final.read(64, off) == data for off, data in last.items())
+            alloc.release(rid)
+        assert alloc.stats()["migrations"] >= 6
+        alloc.check()
