@@ -80,7 +80,8 @@ def _saturated(trace, policies, rate, **kw):
 
 
 def map_(args) -> None:
-    """Paged vs contiguous ODMA across the axes that decide it, at a saturating load."""
+    """Paged vs contiguous ODMA across the axes that decide it, at a saturating load; and the
+    elastic policy against the better of the two."""
     import numpy as np
 
     from odma_hw import plotting
@@ -90,12 +91,12 @@ def map_(args) -> None:
                 predictor=args.predictor)
     rows = []
 
-    def run(label, axis, value, policies=("odma", "paged", "oracle"), rate=8.0, trace=trace,
-            **kw):
+    def run(label, axis, value, policies=("odma", "paged", "oracle", "elastic"), rate=8.0,
+            trace=trace, **kw):
         t0 = time.perf_counter()
         got = _saturated(trace, policies, rate, **{**base, **kw})
         odma, paged = got["odma"], got["paged"]
-        rows.append((axis, value, label, odma, paged, got.get("oracle")))
+        rows.append((axis, value, label, odma, paged, got.get("oracle"), got.get("elastic")))
         log(f"{axis}={value}: {time.perf_counter() - t0:.0f} s")
 
     for layout in ("hnd", "nhd", "v06"):
@@ -129,19 +130,20 @@ def map_(args) -> None:
 
     print("| axis | value | flags | ODMA tok/s | paged tok/s | paged / ODMA | batch ODMA / "
           "paged | step ms ODMA / paged | util ODMA / paged | KV share of step ODMA / paged | "
-          "oracle-contiguous tok/s |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for axis, value, label, o, p, orc in rows:
+          "oracle-contiguous tok/s | elastic tok/s | elastic / better |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for axis, value, label, o, p, orc, el in rows:
         print(f"| {axis} | {value} | `{label}` | {o['output_tps']:.0f} | {p['output_tps']:.0f} | "
               f"{p['output_tps'] / o['output_tps']:.2f} | {o['mean_batch']:.1f} / "
               f"{p['mean_batch']:.1f} | {o['mean_step_s'] * 1e3:.1f} / "
               f"{p['mean_step_s'] * 1e3:.1f} | {o['utilization']:.3f} / {p['utilization']:.3f} | "
               f"{o['step_time_share']['kv']:.2f} / {p['step_time_share']['kv']:.2f} | "
-              f"{orc['output_tps']:.0f} |")
+              f"{orc['output_tps']:.0f} | {el['output_tps']:.0f} | "
+              f"{el['output_tps'] / max(o['output_tps'], p['output_tps']):.2f} |")
     plt = plotting.pyplot()
     fig, ax = plt.subplots(figsize=(10, 5.5))
     labels = [f"{a}: {v}" for a, v, *_ in rows]
-    ratio = [p["output_tps"] / o["output_tps"] for _, _, _, o, p, _ in rows]
+    ratio = [p["output_tps"] / o["output_tps"] for _, _, _, o, p, *_ in rows]
     y = np.arange(len(rows))
     ax.barh(y, [r - 1 for r in ratio], left=1,
             color=["tab:red" if r > 1 else "tab:blue" for r in ratio])

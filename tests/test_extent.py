@@ -377,13 +377,22 @@ def test_a_pin_addresses_the_first_extent():
             blk.pin(first + 1)
 
 
-def test_a_write_racing_appends_and_merges_lands_or_is_refused():
+@pytest.mark.parametrize("policy, config, totals, merges", [
+    # extent: appends and a merge every other growth (extent_max 2)
+    ("extent", AllocatorConfig(background_refresh=False, extent_first="prediction",
+                               extent_knee_tokens=16, extent_max=2),
+     (33, 60, 200, 400, 1000, 3000), 10),
+    # elastic: a knee at a time, a merge every 16 extents
+    ("elastic", AllocatorConfig(background_refresh=False, extent_knee_tokens=16),
+     tuple(range(48, 1200, 16)), 6),
+])
+def test_a_write_racing_appends_and_merges_lands_or_is_refused(policy, config, totals, merges):
     """A writer thread writes 64 B at token offsets of the request's first 32 tokens through
-    alloc.block(rid) while the main thread grows it (appends and merges, extent_max 2): every
-    write that returned normally is in the final block."""
+    alloc.block(rid) while the main thread grows it (appends and merges): every write that
+    returned normally is in the final block."""
     rng = random.Random(5)
-    cfg = AllocatorConfig(background_refresh=False, extent_first="prediction", extent_knee_tokens=16, extent_max=2)
-    with ExtentAllocator(SlowWriteDevice(seed=2), 256 << 20, 4096, 4096, cfg) as alloc:
+    with make_allocator(policy, SlowWriteDevice(seed=2), 256 << 20, 4096, 4096,
+                        config) as alloc:
         for trial in range(10):
             rid = ("r", trial)
             alloc.reserve(rid, 16, 16)
@@ -405,16 +414,17 @@ def test_a_write_racing_appends_and_merges_lands_or_is_refused():
 
             t = threading.Thread(target=write_loop, args=(rng.random(),))
             t.start()
-            for total in (33, 60, 200, 400, 1000, 3000):
-                time.sleep(rng.random() * 2e-3)
-                alloc.grow(rid, total)
+            for total in totals:
+                if total > alloc.block(rid).tokens:
+                    time.sleep(rng.random() * 2e-3 * min(1.0, 6 / len(totals)))
+                    alloc.grow(rid, total)
             time.sleep(rng.random() * 2e-3)
             stop.set()
             t.join()
             final = alloc.block(rid)
             assert all(final.read(64, off) == data for off, data in last.items())
             alloc.release(rid)
-        assert alloc.stats()["migrations"] >= 10
+        assert alloc.stats()["migrations"] >= merges
         alloc.check()
 
 
