@@ -332,10 +332,10 @@ class ElasticAllocator(ExtentAllocator):
     scheduler so.
 
     Every extent is a knee long (growth appends one knee), at most ELASTIC_EXTENTS of them
-    before a merge. The first placement holds the prompt and one knee of room, in either region; where no free
-    range is that long (a pool of many extents fragments), it is taken in pieces, halving down
-    to the knee: a short piece is read as its own run, still at the knee's efficiency, where
-    paging would read pages and ODMA would wait for one long range."""
+    before a merge. The first placement holds the prompt and one knee of room, in either
+    region; where no free range is that long (a pool of many extents fragments), it is taken in
+    pieces, halving down to the knee: a short piece is read as its own run, still at the knee's
+    efficiency, where paging would read pages and ODMA would wait for one long range."""
 
     admission = "demand"
 

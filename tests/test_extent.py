@@ -589,6 +589,16 @@ def test_the_knee_is_the_shortest_run_at_the_fraction_of_streaming():
     sim.alloc.close()
 
 
+def test_where_no_run_reaches_streaming_the_knee_is_where_the_plateau_starts():
+    """Streams interleaved at the controller cap every run below the sequential rate: the knee
+    is then the fraction of the fastest run, not a whole request."""
+    capped = types.SimpleNamespace(                 # 200 GB/s at most, streaming at 300
+        seq_gbps=300.0, run_gbps=lambda nbytes: np.minimum(200.0, 100.0 + nbytes / 655.36))
+    assert knee_tokens(capped, 256, 0.9, 8192) == 205              # 100 + t x 256 / 655.36 = 180
+    assert knee_tokens(capped, 256, 1.0, 8192) == 256               # the plateau's first run
+    assert knee_tokens(KNEED, 256, 0.9, 8192) == 256              # a curve that gets there
+
+
 def test_an_extent_is_read_as_a_contiguous_block_of_its_filled_tokens():
     s = sim_setup()
     ext, cont = StepTimer(s, "extent"), StepTimer(s, "contiguous")

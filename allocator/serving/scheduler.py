@@ -284,8 +284,9 @@ class Scheduler:
                 if need is None:
                     need = self._remaining_need()
                 mine = self._footprint(r)
+                free = self.alloc.pool_bytes - self.alloc.reserved_bytes
                 if (self.running or self.prefilling or admitted) and \
-                        (need + mine) * self.bpt > self.alloc.pool_bytes - self.alloc.reserved_bytes:
+                        (need + mine) * self.bpt > free:
                     break
             try:
                 blk = self.alloc.reserve(i, held, max(0.0, L - r.made), u)

@@ -31,26 +31,34 @@ import numpy as np
 def knee_tokens(timing, run_unit_bytes: int, fraction: float, max_tokens: int) -> int:
     """The knee of a timing source: the fewest tokens whose run (tokens x run_unit_bytes bytes)
     reads at `fraction` of its sequential bandwidth: the first power of two that does, then
-    bisection below it (on a measured curve that is not monotone, the crossing in that octave);
-    max_tokens when no run up to it gets there."""
-    target = fraction * float(timing.seq_gbps)
+    bisection below it (on a measured curve that is not monotone, the crossing in that octave).
+    Where no run up to max_tokens gets there (several streams interleaved at the controller cap
+    every run below streaming), `fraction` of the fastest such run: the start of the plateau,
+    not max_tokens, which would make every extent a whole request."""
+    def first(target):
+        def fast(tokens):
+            return float(timing.run_gbps(tokens * run_unit_bytes)) >= target
 
-    def fast(tokens):
-        return float(timing.run_gbps(tokens * run_unit_bytes)) >= target
+        hi = 1
+        while not fast(hi):
+            if hi >= max_tokens:
+                return None
+            hi = min(2 * hi, max_tokens)
+        lo = hi // 2                           # not fast (or 0)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if fast(mid):
+                hi = mid
+            else:
+                lo = mid
+        return hi
 
-    hi = 1
-    while not fast(hi):
-        if hi >= max_tokens:
-            return max_tokens
-        hi = min(2 * hi, max_tokens)
-    lo = hi // 2                               # not fast (or 0)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if fast(mid):
-            hi = mid
-        else:
-            lo = mid
-    return hi
+    knee = first(fraction * float(timing.seq_gbps))
+    if knee is None:
+        sizes = sorted({min(1 << k, max_tokens) for k in range(max_tokens.bit_length() + 1)})
+        best = max(float(timing.run_gbps(t * run_unit_bytes)) for t in sizes)
+        knee = first(fraction * best) or max_tokens
+    return knee
 
 
 def extent_config(setup):
@@ -101,7 +109,8 @@ class StepTimer:
         self.flops_per_ctx = 4.0 * m.layers * m.heads * m.head_dim / tp
         table = d.matmul_tflops
         self._efficiency = None if not table else (
-            np.log2([r for r, _ in table]), np.array([t * 1e12 for _, t in table]) / self.card_flops)
+            np.log2([r for r, _ in table]),
+            np.array([t * 1e12 for _, t in table]) / self.card_flops)
         self.per_token = self.runs_per_unit * self.run_unit_bytes   # KV bytes per context token
         self.sums = [0.0, 0.0, 0.0, 0.0]   # over running requests: a, slope, ab, sb
         self.floor_margin = math.inf       # min over steps of step seconds / (bytes / peak)

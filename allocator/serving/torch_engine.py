@@ -15,10 +15,11 @@ engine and `simulate` can differ in time, never in decisions.
   the engine's own copy (the allocator's grow(copy=...)). The paged policy keeps page p of the
   pool as [layers, 2, kv_heads, page_tokens, head_dim]; attention gathers a request's pages
   through its block table.
-- Steps: a prefill runs the prompts of the requests admitted together (and, after a preemption,
-  the tokens each had made) through the projections and MLPs as one packed batch, each with its
-  own causal attention; a decode step runs one token of every running request through the
-  batch's projections and MLPs together and each request's attention over its own KV.
+- Steps: every step is one forward pass (Runner.forward) over what the Scheduler put in it:
+  prefill-first, the prompts admitted together (and, after a preemption, the tokens each had
+  made), or one token of every running request; chunked (max_batched_tokens), one token of
+  every running request and the prompt chunks riding with them. All the step's tokens go
+  through the projections and MLPs as one packed batch; each request attends over its own KV.
 - The check (check=True): transformers' own forward of the model over each request's prompt and
   the tokens the engine made (what generate() runs, one position at a time), compared position
   by position: the chosen token, and the logits at the engine's top LOGIT_CHECK_K tokens. Where
