@@ -50,7 +50,7 @@ class AllocatorConfig:
     extent_knee_tokens: int | None = None  # the knee: None is token_alignment (nothing known of
     #                                 the device); the serving simulation derives it from its
     #                                 timing source when left None
-    extent_knee_fraction: float = 0.9  # the knee is the shortest run that reads at this
+    extent_knee_fraction: float = 0.8  # the knee is the shortest run that reads at this
     #                                    fraction of the sequential bandwidth
     # elastic admission: a request's predicted final footprint is prompt + L x (1 + demand_bound
     # x u), u the predictor's relative distance to its 95 % upper bound: 0 = the prediction

@@ -580,12 +580,15 @@ def test_the_knee_is_the_shortest_run_at_the_fraction_of_streaming():
     assert knee_tokens(KNEED, 256, 0.5, 8192) == 1
     assert knee_tokens(KNEED, 256, 1.0, 8192) == 8192           # never: max_tokens
     s = sim_setup()
-    assert extent_config(s).extent_knee_tokens == 256           # head_dim 128 x 2 B per run
+    # the default fraction 0.8: runs of 64 tokens (16 KiB, head_dim 128 x 2 B per token) read
+    # at 160 of KNEED's 200 GB/s
+    assert knee_tokens(KNEED, 256, 0.8, 8192) == 64
+    assert extent_config(s).extent_knee_tokens == 64
     given = dataclasses.replace(s, config=AllocatorConfig(background_refresh=False, extent_first="prediction",
                                                           extent_knee_tokens=48))
     assert extent_config(given).extent_knee_tokens == 48
     sim = Simulation(s, "extent", [RequestState(0, 100, 10, 0.0)])
-    assert sim.layout == "extent" and sim.alloc.knee_tokens == 256
+    assert sim.layout == "extent" and sim.alloc.knee_tokens == 64
     sim.alloc.close()
 
 
@@ -627,7 +630,9 @@ def test_one_long_request_appends_extents_and_reports_only_merges_as_migrations(
     written) into one of 2,272; the last append is cut at max_model_len (1,824)."""
     req = RequestState(0, 100, 3000, 0.0)
     req.predicted = (10.0, 0.0)
-    sim = Simulation(sim_setup(config=PREDICTED_FIRST), "extent", [req])
+    # a knee of 256 tokens: 0.9 of KNEED's streaming
+    config = dataclasses.replace(PREDICTED_FIRST, extent_knee_fraction=0.9)
+    sim = Simulation(sim_setup(config=config), "extent", [req])
     res = sim.run()
     st_ = res["allocator"]
     assert req.finish is not None and req.made == 3000
