@@ -304,18 +304,33 @@ def _write_rows(trace: RequestTrace, f) -> None:
 
 
 def write_trace(trace: RequestTrace, path) -> None:
-    """Write `trace` as a CSV load_trace() reads back. The rows go to a new file next to `path`
-    that replaces it only once complete and on disk, so a write that fails (a full disk) leaves
-    `path` as it was, never a truncated trace that reads back as a shorter one. A path that
-    cannot be written is a BadArgument (exit 2); storage that fails while writing, an
-    OutputError (exit 3)."""
-    path = os.fspath(path)
+    """Write `trace` as a CSV load_trace() reads back, with write_file(): a write that fails (a
+    full disk) leaves `path` as it was, never a truncated trace that reads back as a shorter
+    one."""
     check_output_path(path)
+    write_file(path, lambda f: _write_rows(trace, f), "trace")
+
+
+def write_file(path, write, what: str = "file") -> None:
+    """Call write(f) on a text file that replaces `path` only once complete and on disk (in
+    its folder, then renamed; through a link, its target; keeping a file's mode), so a write
+    that fails leaves `path` as it was. A pipe or a device (/dev/stdout) is written directly:
+    there is nothing to replace. A path that cannot be written is a BadArgument (exit 2);
+    storage that fails while writing, an OutputError (exit 3); `what` names the file in
+    either."""
+    path = os.fspath(path)
     st = _existing(path)
     if st is not None and not stat.S_ISREG(st.st_mode):
-        # a pipe or a device (/dev/stdout): nothing to replace, and replacing it would put a
-        # plain file where the device was
-        _write_direct(trace, path)
+        # replacing a device would put a plain file where it was
+        try:
+            f = open(path, "w", newline="")
+        except OSError as exc:
+            raise _write_error(what, path, exc, started=False) from None
+        try:
+            with f:
+                write(f)
+        except OSError as exc:
+            raise _write_error(what, path, exc, started=True) from None
         return
     target = os.path.realpath(path)             # through a link: the link keeps its target
     tmp = os.path.join(os.path.dirname(target),
@@ -323,42 +338,30 @@ def write_trace(trace: RequestTrace, path) -> None:
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     except OSError as exc:
-        raise _write_error(path, exc, started=False) from None
+        raise _write_error(what, path, exc, started=False) from None
     done = False
     try:
         with os.fdopen(fd, "w", newline="") as f:
             if st is not None:
                 os.fchmod(f.fileno(), stat.S_IMODE(st.st_mode))
-            _write_rows(trace, f)
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, target)
         done = True
     except OSError as exc:
-        raise _write_error(path, exc, started=True) from None
+        raise _write_error(what, path, exc, started=True) from None
     finally:
         if not done:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
 
 
-def _write_direct(trace: RequestTrace, path: str) -> None:
-    try:
-        f = open(path, "w", newline="")
-    except OSError as exc:
-        raise _write_error(path, exc, started=False) from None
-    try:
-        with f:
-            _write_rows(trace, f)
-    except OSError as exc:
-        raise _write_error(path, exc, started=True) from None
-
-
-def _write_error(path: str, exc: OSError, started: bool) -> Exception:
-    """An OSError of writing a trace as the house's error: a path that cannot be opened is bad
-    usage; storage that fails (or any failure once rows were being written) is an output
+def _write_error(what: str, path: str, exc: OSError, started: bool) -> Exception:
+    """An OSError of writing a file as the house's error: a path that cannot be opened is bad
+    usage; storage that fails (or any failure once the file was being written) is an output
     failure."""
-    message = f"cannot write trace {path}: {exc.strerror or exc}"
+    message = f"cannot write {what} {path}: {exc.strerror or exc}"
     if started or exc.errno in _STORAGE_ERRORS:
         return OutputError(message)
     return BadArgument(message)

@@ -47,8 +47,8 @@ def test_every_step_keeps_to_its_budget_and_computes_each_prompt_once_in_order(
     steps: list = []
     chunks = Scheduler.chunks
 
-    def spy(self, now, left):
-        out, admitted, restore = chunks(self, now, left)
+    def spy(self, now):
+        out, admitted, restore = chunks(self, now)
         steps.append((len(self.running), [(i, start, k) for i, _, start, k in out]))
         return out, admitted, restore
     monkeypatch.setattr(Scheduler, "chunks", spy)

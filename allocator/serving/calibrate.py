@@ -44,7 +44,7 @@ import time
 
 import numpy as np
 
-from odma_hw.errors import BadArgument, DeviceUnavailable, OutputError
+from odma_hw.errors import BadArgument, DeviceUnavailable
 
 SCHEMA = "odma-hw.calibrate/1"
 PROBE_SCHEMA = "odma-hw.probe/1"
@@ -484,30 +484,6 @@ def card_text(values: dict, comments: dict, header: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_atomic(path: str, text: str) -> None:
-    """`text` into a new file beside `path` that replaces it once complete and on disk: a write
-    that fails leaves `path` as it was. OutputError when storage fails."""
-    folder = os.path.dirname(path)
-    tmp = os.path.join(folder, f".{os.path.basename(path)}.{secrets.token_hex(6)}.tmp")
-    done = False
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        done = True
-    except OSError as exc:
-        raise OutputError(f"cannot write {path}: {exc.strerror or exc}") from None
-    finally:
-        if not done:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-
-
 def probe_document(dev: dict, bw: dict, run_sizes) -> dict:
     """The bandwidths as `odma-hw probe --json` writes a device (allocator/serving/timing.py,
     probe_timing, reads rand_gbps, seq_gbps and copy_gbps); no RACM verdict, which needs the
@@ -559,6 +535,7 @@ def calibrate(args, progress=None) -> dict:
     """Measure, fit, write the probe file and the card; the result object (SCHEMA)."""
     from allocator.serving.presets import model_spec
     from allocator.serving.timing import MeasuredTiming
+    from allocator.trace import write_file
 
     started = time.perf_counter()
     p = check(args)
@@ -680,8 +657,10 @@ def calibrate(args, progress=None) -> dict:
     from odma_hw import jsonout
 
     # the probe file first: a card never names a file that is not there yet
-    write_atomic(p["probe"], jsonout.dumps(doc, indent=1) + "\n")
-    write_atomic(p["card"], text)
+    # each written whole, then renamed into place: a failure leaves the old files as they were
+    probe_text = jsonout.dumps(doc, indent=1) + "\n"
+    write_file(p["probe"], lambda f: f.write(probe_text), "probe file")
+    write_file(p["card"], lambda f: f.write(text), "card")
     return {
         "schema": SCHEMA, "card": p["card"], "probe": p["probe"], "device": dev["spec"],
         "device_name": dev["name"], "dtype": dtype, "quick": bool(args.quick),

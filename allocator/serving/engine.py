@@ -366,10 +366,7 @@ class Simulation:
         goes on in closed form)."""
         sched, timer, tot = self.sched, self.timer, self.tot
         nb = len(sched.running)
-        budget = sched.max_batched_tokens - nb
-        if budget <= 0 or not (sched.prefilling or sched.waiting):
-            return 0.0
-        chunks, admitted, restore = sched.chunks(now, budget)
+        chunks, admitted, restore = sched.chunks(now)
         if not chunks:
             return 0.0
         restore = self._restore_and_prefetch(now, admitted, restore)

@@ -223,7 +223,8 @@ def _serve(manager, prompts, reqs, progress, concurrency=None) -> dict:
     while done < n:
         while next_arrival < n and reqs[order[next_arrival]].arrival <= now() and not gated():
             i = order[next_arrival]
-            reqs[i].arrival = max(reqs[i].arrival, now()) if concurrency else reqs[i].arrival
+            if concurrency:            # a closed loop's request arrives when it is sent
+                reqs[i].arrival = max(reqs[i].arrival, now())
             manager.add_request(prompts[i].tolist(), request_id=f"r{i}",
                                 max_new_tokens=reqs[i].gen, record_timestamps=True,
                                 eos_token_id=NO_EOS)

@@ -326,11 +326,14 @@ class Scheduler:
             self.waiting.moved(key)
         return secs
 
-    def chunks(self, now: float, budget: int) -> tuple[list, list, float]:
+    def chunks(self, now: float) -> tuple[list, list, float]:
         """Chunked prefill: the prompt chunks of this step, [(id, request, first position,
-        tokens)], within `budget` tokens (what the decodes left), admitting new requests while
-        budget is left; the admitted (as admit() gives them) and seconds of their prefix
-        restores."""
+        tokens)], within the tokens the running requests' decodes leave of the budget, admitting
+        new requests while tokens are left; the admitted (as admit() gives them) and seconds of
+        their prefix restores. Nothing when no token is left or no prompt waits."""
+        budget = self.max_batched_tokens - len(self.running)
+        if budget <= 0 or not (self.prefilling or self.waiting):
+            return [], [], 0.0
         out = []
         for i, r in self.prefilling.items():
             if budget <= 0:

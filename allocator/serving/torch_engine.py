@@ -359,9 +359,8 @@ class _Serving:
                     self.prefilled(i, r, t)
                 self.peak_batch = max(self.peak_batch, len(running))
                 return True
-        elif sched.chunked and len(running) < sched.max_batched_tokens and \
-                (sched.prefilling or sched.waiting):
-            chunks, _, _ = sched.chunks(self.now(), sched.max_batched_tokens - len(running))
+        elif sched.chunked:
+            chunks, _, _ = sched.chunks(self.now())
         ids = sorted(running)
         if not ids and not chunks:
             return False
