@@ -54,12 +54,14 @@ class AllocatorConfig:
     #                                    fraction of the sequential bandwidth
     # elastic admission: a request's predicted final footprint is prompt + L x (1 + demand_bound
     # x u), u the predictor's relative distance to its 95 % upper bound: 0 = the prediction
-    # itself, 1 = that upper bound
-    demand_bound: float = 0.0
+    # itself, 1 = that upper bound; None plans for nothing beyond what a request holds (admit
+    # while its first placement fits, as paging does: for cheap preemption, a swap)
+    demand_bound: float | None = 0.0
 
     def __post_init__(self):
         for name in ("alpha", "tau", "migration_penalty", "demand_bound"):
-            amount(name, getattr(self, name), allow_inf=name == "tau")
+            if name != "demand_bound" or self.demand_bound is not None:
+                amount(name, getattr(self, name), allow_inf=name == "tau")
         for name in ("n_buckets", "window", "refresh_every", "token_alignment", "extent_max"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:

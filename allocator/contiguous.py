@@ -24,7 +24,6 @@ counters that count failures (reserve_failures, oom_events).
 
 from __future__ import annotations
 
-import math
 import time
 
 from odma_hw.errors import BadArgument
@@ -87,20 +86,7 @@ class Block(PinnedBlock):
         """A torch tensor of `dtype` and `shape` viewing the start of this block (no copy; torch
         devices only). Writes through it are not tracked: call mark_written(), and do not write
         through a view while the request may migrate."""
-        dev = self.device
-        if dev is None or not hasattr(dev, "tensor"):
-            raise BadArgument(f"tensor views need a torch device, not {getattr(dev, 'spec', None)}")
-        import torch
-
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        shape = tuple(count("shape", s) for s in shape)
-        n = math.prod(shape) * itemsize
-        owner = self._owner
-        with owner._lock:
-            self._usable(0, n, writing=False)
-        if self.offset % itemsize:
-            raise BadArgument(f"block offset {self.offset} is not aligned to {dtype}")
-        return dev.tensor(owner._pool.buffer, self.offset, n).view(dtype).view(shape)
+        return self._tensor_at(self.offset, self.nbytes, dtype, shape)
 
 
 class RegionPool(PoolAllocator):

@@ -112,10 +112,16 @@ class ExtentBlock(PinnedBlock):
         return owner.device, owner._pool.buffer, self.extents[0][0]
 
     def tensor(self, dtype, shape):
-        """Refused: a request's extents are not one range a tensor can view (the real engine
-        serves contiguous and paged policies)."""
+        """Refused: a request's extents are not one range a tensor can view (view each with
+        extent_tensor)."""
         raise BadArgument(f"request {self.request_id!r} is held in extents, not one contiguous "
-                          f"range: no tensor view of it")
+                          f"range: view each with extent_tensor()")
+
+    def extent_tensor(self, k: int, dtype, shape):
+        """A torch tensor of `dtype` and `shape` viewing the start of extent k (no copy; torch
+        devices only); as Block.tensor, writes through it are not tracked."""
+        off, nbytes, _, _ = self.extents[k]
+        return self._tensor_at(off, nbytes, dtype, shape)
 
     def __repr__(self):
         state = ("live", "migrating", "stale")[self._state]
@@ -151,6 +157,7 @@ class ExtentAllocator(RegionPool):
         self.first = config.extent_first
         self.knee_tokens = min(align_up(config.extent_knee_tokens or config.token_alignment,
                                         config.token_alignment), self.max_tokens)
+        self.grain = self.token_alignment     # growth extents are whole grains
         self.appends = 0              # growth extents appended
         self.merge_failures = 0       # merges wanted that found no range: appended instead
         self.extents_sum = 0          # over completed requests: extents of the final block
@@ -231,7 +238,7 @@ class ExtentAllocator(RegionPool):
             rule = total
         else:
             rule = 0
-        size = align_up(max(self.knee_tokens, rule, need), self.token_alignment)
+        size = align_up(max(self.knee_tokens, rule, need), self.grain)
         return min(size, self.max_tokens - blk.capacity_tokens)
 
     def _append(self, blk: ExtentBlock, size: int, total: int) -> None:
@@ -241,7 +248,7 @@ class ExtentAllocator(RegionPool):
         off, region = self._take(nbytes, True)
         if off < 0:
             need = total - blk.capacity_tokens
-            size = min(align_up(need, self.token_alignment), self.max_tokens - blk.capacity_tokens)
+            size = min(align_up(need, self.grain), self.max_tokens - blk.capacity_tokens)
             nbytes = self.block_bytes(size)
             off, region = self._take(nbytes, True)
             if off < 0:
@@ -331,11 +338,14 @@ class ElasticAllocator(ExtentAllocator):
     least progress is preempted, not necessarily the one growing. `admission` tells the
     scheduler so.
 
-    Every extent is a knee long (growth appends one knee), at most ELASTIC_EXTENTS of them
-    before a merge. The first placement holds the prompt and one knee of room, in either
-    region; where no free range is that long (a pool of many extents fragments), it is taken in
-    pieces, halving down to the knee: a short piece is read as its own run, still at the knee's
-    efficiency, where paging would read pages and ODMA would wait for one long range."""
+    Every extent is a whole number of knees (growth appends one knee), at most
+    ELASTIC_EXTENTS of them before a merge. The first placement holds the prompt and one knee of
+    room, rounded up to whole knees, in either region; where no free range is that long (a pool
+    of many extents fragments), it is taken in pieces of whole knees, halving down to one: a
+    short piece is read as its own run, still at the knee's efficiency, where paging would read
+    pages and ODMA would wait for one long range. Since every range it takes and frees is whole
+    knees, the free space is whole knees too (capped requests aside): no hole is too short to
+    use, as paging's pages never are."""
 
     admission = "demand"
 
@@ -350,15 +360,16 @@ class ElasticAllocator(ExtentAllocator):
                                      extent_max=max(config.extent_max, ELASTIC_EXTENTS))
         super().__init__(device, pool_bytes, bytes_per_token, max_tokens, config)
         self.name = "elastic"
+        self.grain = self.knee_tokens
         self.split_reserves = 0       # first placements taken in more than one piece
 
     def reserve(self, request_id, prompt_tokens: int, predicted_tokens: float = 0.0,
                 uncertainty: float = 0.0) -> ExtentBlock:
-        """A new request's first extents: its prompt and one knee of room, whole or in pieces of
-        at least a knee. Raises DuplicateRequest, BadArgument, OutOfMemory, AllocatorClosed
+        """A new request's first extents: its prompt and one knee of room in whole knees, whole or
+        in pieces of whole knees. Raises DuplicateRequest, BadArgument, OutOfMemory, AllocatorClosed
         (nothing changed)."""
         prompt, p = self._place(prompt_tokens, predicted_tokens, uncertainty)
-        total = min(align_up(prompt + self.knee_tokens, self.token_alignment), self.max_tokens)
+        total = min(align_up(prompt + self.knee_tokens, self.grain), self.max_tokens)
         with self._lock:
             self._check_new(request_id)
             pieces = self._take_pieces(total)
@@ -372,9 +383,8 @@ class ElasticAllocator(ExtentAllocator):
         return blk
 
     def _take_pieces(self, total: int) -> list:
-        """Lock held: extents holding `total` tokens, the longest free ranges first, none
-        shorter than the knee (or than what is left): [] (nothing taken) when they do not
-        fit."""
+        """Lock held: extents holding `total` tokens, the longest free ranges first, each whole
+        knees (the last: what is left): [] (nothing taken) when they do not fit."""
         pieces, left, size = [], total, total
         while left > 0:
             size = min(size, left)
@@ -390,8 +400,7 @@ class ElasticAllocator(ExtentAllocator):
                     for off, _, _, region in pieces:
                         region.free(off)
                     return []
-                size = max(min(self.knee_tokens, left),
-                           align_up(size // 2, self.token_alignment))
+                size = max(min(self.knee_tokens, left), align_up(size // 2, self.grain))
         return pieces
 
     def stats(self) -> dict:

@@ -15,6 +15,7 @@ pin discipline that keeps bytes safe while requests move.
 
 from __future__ import annotations
 
+import math
 import threading
 import weakref
 
@@ -224,6 +225,27 @@ class PinnedBlock:
         finally:
             with owner._lock:
                 self._unpin(writing=False)
+
+    def _tensor_at(self, at: int, room: int, dtype, shape):
+        """A torch tensor of `dtype` and `shape` viewing pool bytes from `at`, which must lie in
+        `room` bytes of this block's own storage (no copy; torch devices only)."""
+        dev = self.device
+        if dev is None or not hasattr(dev, "tensor"):
+            raise BadArgument(f"tensor views need a torch device, not {getattr(dev, 'spec', None)}")
+        import torch
+
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        shape = tuple(count("shape", s) for s in shape)
+        n = math.prod(shape) * itemsize
+        owner = self._owner
+        with owner._lock:
+            self._usable(0, 0, writing=False)
+        if n > room:
+            raise BadArgument(f"a {n}-byte view does not fit the {room} bytes of request "
+                              f"{self.request_id!r}'s range at {at}")
+        if at % itemsize:
+            raise BadArgument(f"pool offset {at} is not aligned to {dtype}")
+        return dev.tensor(owner._pool.buffer, at, n).view(dtype).view(shape)
 
     def mark_written(self, nbytes: int) -> None:
         """Declare bytes [0, nbytes) written by other means (a tensor view, a kernel), so a

@@ -3,7 +3,8 @@ transformers' own continuous batching (hf), on slices of the shared traces, in o
 
     .venv/bin/python bench/engine_table.py [--model qwen2.5-0.5b] [--requests 32]
         [--prompt-cap 256] [--output-cap 32] [--max-batch 16] [--policy odma,static,paged,hf]
-        [--max-num-batched-tokens N]
+        [--max-num-batched-tokens N] [--card CARD | --extent-knee-tokens N]
+        [--preemption swap]
 
 Every run is one `odma-hw engine` computation (allocator/serving/torch_engine.compute), so a row
 reproduces with the flags printed under the table. All requests arrive at once (the traces'
@@ -51,6 +52,11 @@ def main(argv=None) -> None:
     p.add_argument("--traces", default="azure_conv_2023.csv,sharegpt_8k.csv")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="chunked prefill at this token budget per step (default: prefill-first)")
+    p.add_argument("--card", default=None,
+                   help="the card whose timing gives extent and elastic their knee (e.g. from "
+                        "odma-hw calibrate)")
+    p.add_argument("--extent-knee-tokens", type=int, default=None)
+    p.add_argument("--preemption", default="recompute", choices=("recompute", "swap"))
     a = p.parse_args(argv)
     print("| trace | policy | output tok/s | TTFT p50 | TPOT p50 | E2E p50 | mean batch | "
           "preempt | migr |")
@@ -58,7 +64,10 @@ def main(argv=None) -> None:
     flags = (f"--model {a.model} --requests {a.requests} --prompt-cap {a.prompt_cap} "
              f"--output-cap {a.output_cap} --max-batch {a.max_batch} --kv-pool-mb {a.kv_pool_mb:g}"
              + (f" --max-num-batched-tokens {a.max_num_batched_tokens}"
-                if a.max_num_batched_tokens else ""))
+                if a.max_num_batched_tokens else "")
+             + (f" --card {a.card}" if a.card else "")
+             + (f" --extent-knee-tokens {a.extent_knee_tokens}" if a.extent_knee_tokens else "")
+             + (f" --preemption {a.preemption}" if a.preemption != "recompute" else ""))
     with tempfile.TemporaryDirectory() as tmp:
         for name in a.traces.split(","):
             trace = lengths_only(name, tmp)

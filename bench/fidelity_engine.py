@@ -8,7 +8,8 @@ shared traces on a torch device, `odma-hw simulate` predicts the same runs from 
 Every request of a slice arrives at once (the traces' lengths, not their times), prompts and
 outputs cut as for the engine's table; each (trace, policy, scheduler) is one engine run and one
 simulate run with the same flags (prefill-first, and chunked prefill at --budget tokens per
-step). The card is the only link between the two: nothing is fitted to these runs.
+step). The card is the only link between the two (its timing also gives extent and elastic
+their knee in both): nothing is fitted to these runs.
 """
 
 from __future__ import annotations
@@ -64,7 +65,9 @@ def main(argv=None) -> int:
             for sched in ([], ["--max-num-batched-tokens", str(a.budget)]):
                 common = ["--trace", trace, "--model", a.model, "--max-batch", str(a.max_batch),
                           "--policy", a.policy, *sched]
-                eng = odma_hw("engine", *common, "--kv-pool-mb", str(a.kv_pool_mb))
+                # the card gives the engine's extents the knee simulate derives from it
+                eng = odma_hw("engine", *common, "--kv-pool-mb", str(a.kv_pool_mb),
+                              "--card", a.card)
                 sim = odma_hw("simulate", *common, "--device", a.card, "--dtype", "fp32",
                               "--kv-pool-gb", str(a.kv_pool_mb / 1e3))
                 for e, s in zip(eng["results"], sim["results"]):

@@ -1,13 +1,18 @@
 """The serving experiments of the README, reproducible: the ODMA paper's experiment on emulated
 MLU370-X4 cards, and the map of where contiguous ODMA blocks beat paging and where they do not.
 
-    .venv/bin/python bench/serving_experiments.py paper [--requests N] [--out DIR]
+    .venv/bin/python bench/serving_experiments.py paper [--requests N]
+        [--max-num-batched-tokens N] [--preemption swap]
     .venv/bin/python bench/serving_experiments.py map   [--requests N] [--out DIR]
+        [--max-num-batched-tokens N] [--preemption swap]
+    .venv/bin/python bench/serving_experiments.py policies [--requests N]
     .venv/bin/python bench/serving_experiments.py prefix [--requests N]
 
-`paper` and `map` read the traces from ../shared/traces (or ODMA_TRACES); `prefix` generates the
-prefix-cache paper's workloads (`odma-hw workload`). All print Markdown tables; `map` also writes
-map.png. Every row is one `odma-hw simulate` run, so any row can be rerun alone with the flags its
+`policies` sets ODMA, paging and the extent policies side by side on three memories (the
+MLU370-X4's LPDDR5, LPDDR5 in 8B mode, HBM), under both schedulers (prefill-first, chunked) and
+both preemption modes (recompute, swap). `paper`, `map` and `policies` read the traces from
+../shared/traces (or ODMA_TRACES); `prefix` generates the prefix-cache paper's workloads
+(`odma-hw workload`). All print Markdown tables; `map` also writes map.png. Every row is one `odma-hw simulate` run, so any row can be rerun alone with the flags its
 table names.
 """
 
@@ -43,19 +48,25 @@ def paper(args) -> None:
     """Four MLU370-X4 cards, DeepSeek-R1-Distill-Qwen-7B, the same Poisson load for ODMA and
     static; TP4 and four replicas; static capped at max-model-len 4096 and 8192."""
     rates = {"replicas": [1, 2, 3, 4, 6, 8, 12], "tp": [1, 2, 3, 4, 6, 8, 12]}
+    every = _every(args)
+    if every:
+        print(f"Every run also with `{every}`.\n")
     print("| trace | cards | max-model-len | crossover load (req/s) | saturating load | "
           "static tok/s | ODMA tok/s | ODMA / static | static util | ODMA util | "
-          "ODMA preempt / migr |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "ODMA preempt / migr | paged tok/s | extent tok/s | elastic tok/s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name in ("azure_conv_2023", "sharegpt_8k"):
         for mode in ("replicas", "tp"):
             for cap in (4096, 8192):
                 t0 = time.perf_counter()
-                rows = simulate(TRACES / f"{name}.csv", ("odma", "static"), rates[mode],
-                                requests=args.requests, max_model_len=cap, clip=True,
-                                tp=4 if mode == "tp" else 1,
-                                replicas=4 if mode == "replicas" else 1,
-                                predictor=args.predictor, seed=args.seed)
+                kw = dict(requests=args.requests, max_model_len=cap, clip=True,
+                          tp=4 if mode == "tp" else 1, replicas=4 if mode == "replicas" else 1,
+                          predictor=args.predictor, seed=args.seed,
+                          max_batched_tokens=args.max_num_batched_tokens,
+                          preemption=args.preemption)
+                rows = simulate(TRACES / f"{name}.csv", ("odma", "static"), rates[mode], **kw)
+                new = _saturated(TRACES / f"{name}.csv", ("paged", "extent", "elastic"),
+                                 rates[mode][-1], **kw)
                 pairs = [(rows[i], rows[i + 1]) for i in range(0, len(rows), 2)]
                 crossover = "-"
                 prev = None
@@ -69,10 +80,19 @@ def paper(args) -> None:
                       f"{crossover} | {odma['rate']:g} | {static['output_tps']:.0f} | "
                       f"{odma['output_tps']:.0f} | {odma['output_tps'] / static['output_tps']:.2f}"
                       f" | {static['utilization']:.3f} | {odma['utilization']:.3f} | "
-                      f"{odma['preemptions']} / {odma['migrations']} |", flush=True)
+                      f"{odma['preemptions']} / {odma['migrations']} | "
+                      + " | ".join(f"{new[p]['output_tps']:.0f}"
+                                   for p in ("paged", "extent", "elastic")) + " |", flush=True)
                 log(f"{name} {mode} {cap}: {time.perf_counter() - t0:.0f} s")
     print(f"\nThe paper (Alpaca / NQ, its own static cap): TPS {PAPER['tps_gain']}; utilization "
           f"static {PAPER['static_utilization']} -> ODMA {PAPER['odma_utilization']}.")
+
+
+def _every(args) -> str:
+    """The scheduler flags every run of an experiment takes ("" for the defaults)."""
+    return " ".join(f for f in (
+        args.max_num_batched_tokens and f"--max-num-batched-tokens {args.max_num_batched_tokens}",
+        args.preemption != "recompute" and f"--preemption {args.preemption}") if f)
 
 
 def _saturated(trace, policies, rate, **kw):
@@ -88,7 +108,8 @@ def map_(args) -> None:
 
     trace = TRACES / "azure_conv_2023.csv"
     base = dict(requests=args.requests, max_model_len=8192, clip=True, seed=args.seed,
-                predictor=args.predictor)
+                predictor=args.predictor, max_batched_tokens=args.max_num_batched_tokens,
+                preemption=args.preemption)
     rows = []
 
     def run(label, axis, value, policies=("odma", "paged", "oracle", "elastic"), rate=8.0,
@@ -128,6 +149,9 @@ def map_(args) -> None:
     run("--device a100-80gb", "memory", "HBM (A100-80GB)", device="a100-80gb", rate=40.0)
     run("--device mlu370-x4", "memory", "LPDDR5 (MLU370-X4)")
 
+    every = _every(args)
+    if every:
+        print(f"Every row also with `{every}`.\n")
     print("| axis | value | flags | ODMA tok/s | paged tok/s | paged / ODMA | batch ODMA / "
           "paged | step ms ODMA / paged | util ODMA / paged | KV share of step ODMA / paged | "
           "oracle-contiguous tok/s | elastic tok/s | elastic / better |")
@@ -159,6 +183,57 @@ def map_(args) -> None:
     out.mkdir(parents=True, exist_ok=True)
     plotting.save(fig, str(out / "map.png"))
     log(f"wrote {out / 'map.png'}")
+
+
+MEMORIES = (  # (label, simulate's flags, its arguments, the saturating rate)
+    ("LPDDR5 (MLU370-X4)", "--device mlu370-x4", {}, 8.0),
+    ("24 x LPDDR5 8B mode", "--timing emu:lpddr5-6400-8b --channels 24",
+     dict(emu=EmuSettings(preset="lpddr5-6400-8b", channels=24), timing="emu:lpddr5-6400-8b"),
+     8.0),
+    ("HBM (A100-80GB)", "--device a100-80gb --rate 40", dict(device="a100-80gb"), 40.0),
+)
+
+
+def policies(args) -> None:
+    """ODMA, paging, extent and elastic on three memories, both traces, both schedulers and
+    both preemption modes, at the map's saturating load; the best new policy against the
+    better of ODMA and paged."""
+    from allocator.config import AllocatorConfig
+
+    names = ("odma", "paged", "extent", "elastic")
+    print("| memory | trace | scheduler | preemption | ODMA tok/s | paged tok/s | extent tok/s "
+          "| elastic tok/s | elastic, `--demand-bound none` | best new / better | preemptions "
+          "ODMA / paged / extent / elastic / elastic none | swaps |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for label, flags, kw, rate in MEMORIES:
+        for name in ("azure_conv_2023", "sharegpt_8k"):
+            for chunk in (None, 2048):
+                for mode in ("recompute", "swap"):
+                    t0 = time.perf_counter()
+                    same = dict(requests=args.requests, max_model_len=8192, clip=True,
+                                seed=args.seed, predictor=args.predictor,
+                                max_batched_tokens=chunk, preemption=mode, **kw)
+                    got = _saturated(TRACES / f"{name}.csv", names, rate, **same)
+                    got["none"] = _saturated(TRACES / f"{name}.csv", ("elastic",), rate,
+                                             config=AllocatorConfig(background_refresh=False,
+                                                                    demand_bound=None),
+                                             **same)["elastic"]
+                    cols = (*names, "none")
+                    tps = {p: got[p]["output_tps"] for p in cols}
+                    gain = max(tps[p] for p in ("extent", "elastic", "none")) / max(
+                        tps["odma"], tps["paged"])
+                    sched = "prefill-first" if chunk is None else f"chunked {chunk}"
+                    print(f"| {label} (`{flags}`) | {name} | {sched} | {mode} | "
+                          + " | ".join(f"{tps[p]:.1f}" for p in cols)
+                          + f" | {gain:.2f} | "
+                          + " / ".join(str(got[p]["preemptions"]) for p in cols)
+                          + " | " + " / ".join(str(got[p]["swaps"]) for p in cols) + " |",
+                          flush=True)
+                    log(f"{label} {name} {sched} {mode}: {time.perf_counter() - t0:.0f} s")
+    print("\nFlags of a row: `odma-hw simulate --trace ../shared/traces/TRACE.csv --rate 8 "
+          "--max-model-len 8192 --clip --policy odma,paged,extent,elastic` with the memory's "
+          "flags, `--max-num-batched-tokens 2048` for chunked and `--preemption swap`; the "
+          "fifth column `--policy elastic --demand-bound none`.")
 
 
 def prefix(args) -> None:
@@ -251,6 +326,10 @@ def main() -> int:
     p.add_argument("--predictor", default="online", help="ODMA's length predictor")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=".", help="folder for map.png")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N",
+                   help="paper, map: chunked prefill with N tokens per step on every run")
+    p.add_argument("--preemption", default="recompute", choices=("recompute", "swap"),
+                   help="paper, map: what a preemption does on every run")
     args = p.parse_args()
     if args.experiment != "prefix" and not TRACES.is_dir():
         p.error(f"no traces at {TRACES} (set ODMA_TRACES)")
@@ -258,7 +337,7 @@ def main() -> int:
     return 0
 
 
-EXPERIMENTS = {"paper": paper, "map": map_, "prefix": prefix}
+EXPERIMENTS = {"paper": paper, "map": map_, "policies": policies, "prefix": prefix}
 
 if __name__ == "__main__":
     sys.exit(main())

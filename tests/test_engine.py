@@ -21,7 +21,15 @@ from allocator.serving.timing import MeasuredTiming  # noqa: E402
 from odma_hw.cli import main  # noqa: E402
 
 CONFIGS = ("tiny-llama", "tiny-qwen2", "tiny-mistral")
-POLICIES = ("odma", "static", "s3", "oracle", "paged")
+POLICIES = ("odma", "static", "s3", "oracle", "paged", "extent", "elastic")
+# extents of 4 tokens, at most 2 before a merge: requests of up to 94 tokens hold several
+EXTENTS = dict(token_alignment=4, extent_knee_tokens=4, extent_max=2)
+
+
+def extent_config(policy, **kw):
+    """The allocator config of a test run: small extents for the extent policies."""
+    return AllocatorConfig(background_refresh=False, **kw,
+                           **(EXTENTS if policy in ("extent", "elastic") else {}))
 
 
 def requests(n=14, seed=1, vocab=512):
@@ -64,10 +72,31 @@ def test_every_policy_makes_generates_tokens_through_migrations_and_preemptions(
     assert seen["migrate"] > 0 and seen["preempt"] > 0      # both paths were exercised
 
 
+@pytest.mark.parametrize("sched", [{}, dict(max_batched_tokens=8)], ids=("v0", "chunked"))
+def test_extents_merges_and_elastic_preemptions_make_generates_tokens(tiny, sched):
+    """KV in several extents, read as one run per extent and joined; merges (the engine's copy
+    from extents into one); elastic's growth preempting another request than the grower."""
+    name, cfg, model, prompts, gen, reference = tiny
+    for policy, predictor, pool in (("extent", "noisy", 300), ("elastic", "online", 120)):
+        log: list = []
+        run = te.serve(model, prompts, gen, np.zeros(len(gen)), policy,
+                       pool_bytes=pool * bytes_per_token(cfg), max_model_len=100, max_batch=8,
+                       predictor=predictor, log=log, config=extent_config(policy), **sched)
+        assert run["tokens"] == reference, f"{name} {policy} {sched}"
+        assert run["allocator"]["extents_per_request_max"] > 2
+        if policy == "extent":
+            assert any(w == "migrate" for w, _ in log)
+        else:                           # an "oom" of one request preempting another
+            assert any(a[0] == "oom" and b[0] == "preempt" and a[1] != b[1]
+                       for a, b in zip(log, log[1:]))
+
+
 # chunked prefill with budgets below the longest prompt (prompts split over several steps,
-# the first chunk of a rerun after a preemption included), and a closed loop
+# the first chunk of a rerun after a preemption included), a closed loop, and co-batching by
+# bucket tag
 SCHEDULING = [dict(max_batched_tokens=8), dict(max_batched_tokens=21),
-              dict(concurrency=3), dict(concurrency=5, max_batched_tokens=9)]
+              dict(concurrency=3), dict(concurrency=5, max_batched_tokens=9),
+              dict(cobatch=4, max_batched_tokens=21)]
 
 
 @pytest.mark.parametrize("sched", SCHEDULING, ids=lambda d: ",".join(f"{k}={v}" for k, v in
@@ -113,7 +142,7 @@ def test_the_check_agrees_with_the_reference_and_catches_a_corrupted_kv(tiny, mo
 
 def test_no_kv_is_read_from_a_released_or_stale_block(tiny, monkeypatch):
     name, cfg, model, prompts, gen, _ = tiny
-    real_read, real_view = te.BlockKV.read, te.BlockKV._view
+    real_read, real_view = te.BlockKV.read, te.BlockKV._pieces
     reads = []
 
     def checked_view(self, i, blk=None):
@@ -129,9 +158,9 @@ def test_no_kv_is_read_from_a_released_or_stale_block(tiny, monkeypatch):
         reads.append(i)
         return real_read(self, i, layer, ctx)
 
-    monkeypatch.setattr(te.BlockKV, "_view", checked_view)
+    monkeypatch.setattr(te.BlockKV, "_pieces", checked_view)
     monkeypatch.setattr(te.BlockKV, "read", checked_read)
-    for policy in ("odma", "s3", "paged"):
+    for policy in ("odma", "s3", "paged", "elastic"):
         te.serve(model, prompts, gen, np.zeros(len(gen)), policy,
                  pool_bytes=300 * bytes_per_token(cfg), max_model_len=100, max_batch=8,
                  page_tokens=4, predictor="noisy")
@@ -141,29 +170,37 @@ def test_no_kv_is_read_from_a_released_or_stale_block(tiny, monkeypatch):
 @pytest.mark.parametrize("sched", [{}] + SCHEDULING,
                          ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()) or "v0")
 @pytest.mark.parametrize("policy", POLICIES)
-def test_the_engine_and_simulate_make_the_same_decisions(policy, sched):
-    """One Scheduler: admissions, migrations, preemptions and completions in the same order for
-    the same requests, pool and model shape (bf16 KV: the simulation's bytes per token),
-    prefill-first or chunked, open or closed loop."""
+@pytest.mark.parametrize("preemption", ("recompute", "swap"))
+def test_the_engine_and_simulate_make_the_same_decisions(policy, sched, preemption):
+    """One Scheduler: admissions, migrations, preemptions (recomputed, or swapped to a host
+    that holds some of them) and completions in the same order for the same requests, pool
+    and model shape (bf16 KV: the simulation's bytes per token), prefill-first or chunked,
+    open or closed loop."""
     cfg, _ = models.load_config("tiny-qwen2")
     model = te.build_model(cfg, "bfloat16", "cpu", seed=0)
     prompts, gen = requests(n=24, seed=3, vocab=cfg.vocab_size)
     pool = 280 * bytes_per_token(cfg, 2)
+    swap = dict(preemption=preemption)
+    if preemption == "swap":
+        swap["swap_bytes"] = 60 * bytes_per_token(cfg, 2)
     # the torch device aligns blocks to 256 B, the simulation's device-less pool to 64 B: one
     # alignment for both, or a block's size (and so an admission) may differ
-    config = AllocatorConfig(background_refresh=False, byte_alignment=256)
+    config = extent_config(policy, byte_alignment=256)
+    # elastic with the online predictor: its early underestimates make growths preempt others
+    predictor = "online" if policy == "elastic" else "noisy"
     engine_log: list = []
     te.serve(model, prompts, gen, np.zeros(len(gen)), policy, pool_bytes=pool,
-             max_model_len=100, max_batch=8, page_tokens=4, predictor="noisy",
-             log=engine_log, config=config, **sched)
+             max_model_len=100, max_batch=8, page_tokens=4, predictor=predictor,
+             log=engine_log, config=config, **swap, **sched)
     spec = ModelSpec("tiny-qwen2", cfg.num_hidden_layers, cfg.hidden_size,
                      cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
                      cfg.intermediate_size, cfg.vocab_size, False, cfg.max_position_embeddings,
                      qkv_bias=True)
     timing = MeasuredTiming("flat", {4096: 100.0}, 100.0, 50.0)
     setup = ServingSetup(spec, accelerator("mlu370-x4"), timing, max_model_len=100,
-                         max_batch=8, kv_pool_gb=pool / 1e9, page_tokens=4, predictor="noisy",
-                         config=config, **sched)
+                         max_batch=8, kv_pool_gb=pool / 1e9, page_tokens=4,
+                         predictor=predictor, config=config, preemption=preemption,
+                         swap_space_gb=swap.get("swap_bytes", 0) / 1e9, **sched)
     reqs = [RequestState(i, int(p.numel()), g, 0.0) for i, (p, g) in enumerate(zip(prompts, gen))]
     sim = Simulation(setup, policy, reqs)
     sim.sched.log = sim_log = []
@@ -174,6 +211,13 @@ def test_the_engine_and_simulate_make_the_same_decisions(policy, sched):
     assert engine_log == sim_log
     if policy in ("s3", "paged") and not sched:    # the pool is small enough to preempt
         assert any(w == "preempt" for w, _ in sim_log)
+        if preemption == "swap":
+            assert any(w == "swap" for w, _ in sim_log)
+    if policy == "extent":
+        assert any(w == "migrate" for w, _ in sim_log)
+    if policy == "elastic" and "concurrency" not in sched:
+        assert any(a[0] == "oom" and b[0] == "preempt" and a[1] != b[1]
+                   for a, b in zip(sim_log, sim_log[1:]))
 
 
 def test_engine_command_prints_the_contract_json(tmp_path, capsys):
@@ -194,13 +238,46 @@ def test_engine_command_prints_the_contract_json(tmp_path, capsys):
         assert r["output_tokens"] == sum(2 + i for i in range(6))
 
 
+def test_engine_serves_extents_with_the_knee_of_a_card(tmp_path, capsys):
+    """--card's probe timing gives extent and elastic the knee simulate would derive;
+    --extent-knee-tokens overrides it; both policies' tokens pass the check."""
+    from allocator.serving.steptime import knee_tokens
+    from allocator.serving.timing import make_timing
+
+    (tmp_path / "probe.json").write_text(json.dumps({
+        "schema": "odma-hw.probe/1",
+        "devices": [{"device": "x", "rand_gbps": {"64": 1.0, "4096": 5.0, "65536": 9.0},
+                     "seq_gbps": 10.0, "copy_gbps": 8.0}]}))
+    card = tmp_path / "card.toml"
+    card.write_text('name = "c"\nbandwidth_gbps = 10.0\ncapacity_gb = 1.0\ntflops_bf16 = 1.0\n'
+                    'timing = "probe:probe.json"\nlink_gbps = 1.0\nlink_latency_us = 1.0\n')
+    trace = tmp_path / "t.csv"
+    trace.write_text("num_prefill_tokens,num_decode_tokens\n" +
+                     "".join(f"{40 + 9 * i},{30 + 7 * i}\n" for i in range(6)))
+    argv = ["engine", "--trace", str(trace), "--model", "tiny-llama", "--kv-pool-mb", "0.5",
+            "--policy", "extent,elastic", "--check", "--json", "--card", str(card)]
+    assert main(argv) == 0
+    doc = json.loads(capsys.readouterr().out)
+    cfg, _ = models.load_config("tiny-llama")
+    unit = te.head_dim(cfg) * 4                        # float32
+    want = knee_tokens(make_timing(f"probe:{tmp_path / 'probe.json'}", 10.0, None), unit, 0.8,
+                       doc["results"][0]["settings"]["max_model_len"])
+    assert want > 16                                   # not the default alignment
+    for r in doc["results"]:
+        assert r["settings"]["extent_knee_tokens"] == want
+        assert r["completed"] == 6 and r["mismatches"] == 0
+    assert main(argv + ["--extent-knee-tokens", "32"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert {r["settings"]["extent_knee_tokens"] for r in doc["results"]} == {32}
+
+
 @pytest.mark.parametrize("args, message", [
     (["--model", "gpt-5"], "shipped config"),
     (["--kv-pool-mb", "0.0001"], "less than one"),
     (["--device", "torch:cuda:7"], "cuda"),
     (["--max-model-len", "10"], "--clip"),
     (["--policy", "odma,magic"], "unknown policy"),
-    (["--policy", "odma,extent"], "not yet executed"),
+    (["--policy", "odma,elastic", "--card", "nosuch"], "unknown --card 'nosuch'"),
 ])
 def test_bad_engine_input_is_one_line_before_any_weights(tmp_path, capsys, monkeypatch, args,
                                                          message):
@@ -221,3 +298,55 @@ def test_an_unsupported_architecture_is_refused(tmp_path, capsys):
     trace.write_text("num_prefill_tokens,num_decode_tokens\n20,10\n")
     assert main(["engine", "--trace", str(trace), "--model", str(cfg)]) == 2
     assert "not supported" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("sched", [{}, dict(max_batched_tokens=8), dict(max_batched_tokens=21)],
+                         ids=("v0", "chunked8", "chunked21"))
+def test_swapped_requests_make_generates_tokens(tiny, sched):
+    """Preemption by swap: a preempted request's KV goes to host memory and comes back into a
+    new block (contiguous, paged, extents); with a host too small for every victim, the rest
+    are recomputed. The tokens are generate()'s either way."""
+    name, cfg, model, prompts, gen, reference = tiny
+    bpt = bytes_per_token(cfg)
+    seen: dict = {}
+    for policy in POLICIES:
+        log: list = []
+        run = te.serve(model, prompts, gen, np.zeros(len(gen)), policy, pool_bytes=300 * bpt,
+                       max_model_len=100, max_batch=8, page_tokens=4, predictor="noisy",
+                       log=log, config=extent_config(policy), preemption="swap",
+                       swap_bytes=60 * bpt, **sched)
+        assert run["tokens"] == reference, f"{name} {policy} {sched}"
+        for what, i in log:
+            seen[what] = seen.get(what, 0) + 1
+    assert seen.get("swap", 0) > 0 and seen.get("resume", 0) == seen["swap"]
+    assert seen["preempt"] > seen["swap"]          # some found the host full: recomputed
+
+
+@pytest.mark.parametrize("failing", ["save", "load"])
+def test_a_failed_swap_copy_is_recomputed_and_loses_nothing(tiny, monkeypatch, failing):
+    """A copy to the host that fails leaves the request to be recomputed; a copy back that fails
+    gives its new block back and queues it for recompute: the tokens are generate()'s."""
+    name, cfg, model, prompts, gen, reference = tiny
+    real = getattr(te.BlockKV, failing)
+    calls = []
+
+    def flaky(self, *args):
+        calls.append(args[0])
+        if len(calls) % 2:                  # every other copy fails
+            raise RuntimeError("host copy failed")
+        return real(self, *args)
+
+    monkeypatch.setattr(te.BlockKV, failing, flaky)
+    bpt = bytes_per_token(cfg)
+    log: list = []
+    run = te.serve(model, prompts, gen, np.zeros(len(gen)), "paged", pool_bytes=300 * bpt,
+                   max_model_len=100, max_batch=8, page_tokens=4, predictor="noisy", log=log,
+                   preemption="swap", swap_bytes=10**6 * bpt)
+    assert run["tokens"] == reference, name
+    assert len(calls) >= 2
+    swaps = sum(w == "swap" for w, _ in log)
+    resumed = sum(w == "resume" for w, _ in log)
+    if failing == "save":                   # half the preemptions were not swapped
+        assert sum(w == "preempt" for w, _ in log) > swaps > 0
+    else:                                   # half the resumes went back to the queue
+        assert resumed == swaps > 0

@@ -282,7 +282,7 @@ SIMULATE_OPTIONS = {
     "--rate": (["1", "0.5,2"], ["1e-300", "1e300", "1e-9,1e9"], ["0", "-1", "nan", "1,inf", ""]),
     "--time-scale": (["1", "0.1"], ["1e-300", "1e300"], ["0", "nan", "inf"]),
     "--seed": (["0", "7"], [str(2**63 - 1)], ["-1", str(2**63), "1.5"]),
-    "--policy": (["odma", "static", "paged", "s3", "oracle", "odma,paged"], [],
+    "--policy": (["odma", "static", "paged", "s3", "oracle", "elastic", "odma,paged"], [],
                  ["magic", "", ","]),
     "--max-model-len": (["512", "4096"], ["1", "16", "131072"], ["0", "100000000"]),
     "--buckets": (["1", "8"], [str(MAX_BUCKETS)], [str(MAX_BUCKETS + 1), "100000000", "0"]),
@@ -301,6 +301,10 @@ SIMULATE_OPTIONS = {
     "--replicas": (["1", "3"], ["100000"], ["0"]),
     "--model": (["deepseek-r1-distill-qwen-7b", "llama-2-7b", "qwen2.5-7b"], [], ["gpt-5"]),
     "--dtype": (["bf16", "int8"], [], ["fp4"]),
+    "--preemption": (["recompute", "swap"], [], ["offload"]),
+    "--swap-space": (["0", "4"], ["1e-300", "1e9"], ["-1", "nan", "inf"]),
+    "--cobatch": (["0", "4"], ["1000000000"], ["-1", "1.5"]),
+    "--demand-bound": (["0", "1", "none"], ["1e308"], ["-1", "nan", "inf", "some"]),
 }
 PREFIX_OPTIONS = {
     "--cache-device-gb": (["0", "0.01", "1"], ["1e9", "1e300"], ["nan", "-1"]),

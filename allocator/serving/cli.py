@@ -24,7 +24,7 @@ from allocator.serving.engine import (PAGED_LAYOUTS, SCHEDULES, PrefixSettings, 
 from allocator.serving.models import shipped_configs
 from allocator.serving.presets import (DTYPE_BYTES, MODEL_ALIASES, MODELS, accelerator,
                                       card_names, model_spec)
-from allocator.serving.scheduler import check_scheduling
+from allocator.serving.scheduler import PREEMPTION, check_scheduling
 from allocator.serving.timing import EmuSettings, make_timing
 from allocator.trace import (RequestTrace, arrival_seconds, load_trace, load_trace_once,
                              trace_check)
@@ -44,6 +44,11 @@ def card_emu(dev, channels=None, **settings) -> EmuSettings:
     if kind == "emu":
         settings["preset"] = preset
     return EmuSettings(channels=channels or dev.emu_channels, **settings)
+
+
+def demand_bound(text: str):
+    """--demand-bound: a finite number >= 0, or none."""
+    return None if text.strip().lower() == "none" else argtypes.nonnegative_float(text)
 
 
 def parse_policies(text: str, extra: tuple = ()) -> list[str]:
@@ -69,6 +74,23 @@ def add_scheduling_arguments(p) -> None:
                    help="closed loop, as vllm bench serve --max-concurrency C: at most C "
                         "requests in flight, the next sent when one completes (at its --rate "
                         "time if later; without --rate all are ready at once)")
+    p.add_argument("--preemption", choices=PREEMPTION, default="recompute",
+                   help="what a preempted request's KV becomes: recompute (freed; its prompt "
+                        "and tokens run through prefill again, vLLM's default) or swap (copied "
+                        "to host memory while --swap-space has room and back when it is "
+                        "readmitted, as vLLM v0's preemption_mode=swap)")
+    p.add_argument("--swap-space", type=argtypes.nonnegative_float, default=4.0, metavar="GB",
+                   help="host memory for swapped KV, per card (default 4, vLLM's)")
+    p.add_argument("--demand-bound", type=demand_bound, default=0.0, metavar="B|none",
+                   help="elastic's admission plans for each admitted request's predicted "
+                        "length L x (1 + B x u), u the predictor's distance to its 95 %% upper "
+                        "bound (default 0: the prediction itself); none plans for nothing beyond "
+                        "what a request holds (admit as paging does: for --preemption swap)")
+    p.add_argument("--cobatch", type=argtypes.count, default=0, metavar="W",
+                   help="co-batch by bucket tag (the ODMA paper's task pool): admit, among the "
+                        "first W waiting requests, the oldest whose predicted length falls in "
+                        "the batch's commonest bucket (the head after W pass-overs; default 0: "
+                        "off, arrival order)")
 
 
 def simulate(trace, policies=("odma", "static", "paged"), rates=(None,), *,
@@ -97,6 +119,9 @@ def simulate(trace, policies=("odma", "static", "paged"), rates=(None,), *,
     for p in policies:
         if p not in POLICIES:
             raise BadArgument(f"unknown policy {p!r}: expected one of {', '.join(POLICIES)}")
+    if prefix is not None and prefix.schedule != "fcfs" and setup_args.get("cobatch"):
+        raise BadArgument(f"--cobatch takes requests in arrival order: it does not combine "
+                          f"with --prefix-schedule {prefix.schedule}")
     m, dev = model_spec(model), accelerator(device)
     if not (isinstance(replicas, int) and replicas >= 1):
         raise BadArgument(f"replicas must be a positive integer, got {replicas!r}")
@@ -233,7 +258,7 @@ def compute(args, results: list | None = None, failed: list | None = None,
     config = AllocatorConfig(alpha=args.alpha, tau=args.tau, n_buckets=args.buckets,
                              bucket_rule=args.bucket_rule, bucket_basis=args.bucket_basis,
                              large_share=args.large_share, cold_start=args.cold_start,
-                             background_refresh=False)
+                             demand_bound=args.demand_bound, background_refresh=False)
     dev = accelerator(args.device)
     emu = card_emu(dev, args.channels, interleave=args.interleave,
                    address_map=args.address_map, queue=args.queue, streams=args.streams,
@@ -257,7 +282,9 @@ def compute(args, results: list | None = None, failed: list | None = None,
         max_batch=args.max_batch, mfu=args.mfu, memory_utilization=args.memory_utilization,
         kv_pool_gb=args.kv_pool_gb, paged_layout=args.layout, page_tokens=args.page_tokens,
         predictor=args.predictor, max_batched_tokens=args.max_num_batched_tokens,
-        concurrency=args.concurrency, results=results, failed=failed, check_only=check_only)
+        concurrency=args.concurrency, preemption=args.preemption, swap_space_gb=args.swap_space,
+        cobatch=args.cobatch,
+        swap_gbps=args.pcie_gbps, results=results, failed=failed, check_only=check_only)
     return {"schema": SCHEMA, "results": results, "failed": failed or []}
 
 
@@ -465,7 +492,8 @@ def register(subparsers) -> None:
     c.add_argument("--prefetch", type=argtypes.count, default=0, metavar="N",
                    help="prefetch the prefixes of the next N queued requests (default 0: off)")
     c.add_argument("--pcie-gbps", type=argtypes.positive_float, default=25.0,
-                   help="host <-> device bandwidth (default 25: PCIe 4.0 x16 effective)")
+                   help="host <-> device bandwidth, of the prefix cache's host tier and of "
+                        "swapped KV (default 25: PCIe 4.0 x16 effective)")
     c.add_argument("--disk-read-gbps", type=argtypes.positive_float, default=3.0,
                    help="disk tier read bandwidth (default 3: an NVMe SSD)")
     c.add_argument("--disk-write-gbps", type=argtypes.positive_float, default=2.0,

@@ -62,6 +62,10 @@ class ServingSetup:
     max_batched_tokens: int | None = None   # chunked prefill's token budget per step; None:
                                             # prefill-first
     concurrency: int | None = None          # closed loop: requests in flight at most
+    preemption: str = "recompute"           # or "swap": a preempted request's KV to the host
+    swap_space_gb: float = 4.0              # host memory for swapped KV per card (vLLM's 4 GiB)
+    swap_gbps: float = 25.0                 # device <-> host copies (PCIe 4.0 x16, effective)
+    cobatch: int = 0                        # co-batching window by bucket tag; 0: off
 
     def __post_init__(self):
         if self.paged_layout not in PAGED_LAYOUTS:
@@ -80,12 +84,24 @@ class ServingSetup:
             raise BadArgument(f"--tp {tp} does not split {m.name}'s {m.heads} query and "
                               f"{m.kv_heads} KV heads evenly: use a TP that divides {m.heads} "
                               f"and divides or is a multiple of {m.kv_heads}")
-        check_scheduling(self.max_batch, self.max_batched_tokens, self.concurrency)
+        check_scheduling(self.max_batch, self.max_batched_tokens, self.concurrency,
+                         preemption=self.preemption, swap_bytes=self.swap_bytes,
+                         cobatch=self.cobatch)
+        if not (self.swap_gbps > 0 and math.isfinite(self.swap_gbps)):
+            raise BadArgument(f"swap_gbps must be a finite number > 0, got {self.swap_gbps}")
         if not 0 < self.mfu <= 1:
             raise BadArgument(f"mfu must be in (0, 1], got {self.mfu}")
         if not 0 < self.memory_utilization <= 1:
             raise BadArgument(f"memory utilization must be in (0, 1], got "
                               f"{self.memory_utilization}")
+
+    @property
+    def swap_bytes(self) -> int:
+        gb = self.swap_space_gb
+        if not (isinstance(gb, (int, float)) and 0 <= gb * 1e9 <= MAX_TIER_BYTES):
+            raise BadArgument(f"the swap space must be a number of GB in [0, "
+                              f"{MAX_TIER_BYTES / 1e9:.3g}], got {gb!r}")
+        return int(gb * 1e9)
 
     # -- what one card holds and reads ---------------------------------------------------------
     @property
@@ -144,7 +160,7 @@ class RequestState:
     __slots__ = ("rid", "prompt", "gen", "made", "arrival", "first_token", "finish",
                  "preemptions", "predicted", "start_step", "a", "slope", "ab",
                  "sb", "epoch", "cap", "prefix", "prefix_tokens", "offer", "covered",
-                 "prefilled")
+                 "prefilled", "swapped")
 
     def __init__(self, rid, prompt, gen, arrival, prefix="", prefix_tokens=0, offer=""):
         self.rid = rid
@@ -168,6 +184,7 @@ class RequestState:
         self.offer = offer          # key its whole context is offered under when it completes
         self.covered = 0            # prompt tokens the cache covered at its last admission
         self.prefilled = 0          # chunked prefill: context tokens computed (or restored)
+        self.swapped = 0            # preempted by swap: tokens of its KV the host holds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -271,7 +288,8 @@ class Simulation:
             bytes_per_token=bpt, cache=self.cache,
             schedule=prefix.schedule if prefix else "fcfs",
             prefetch=prefix.prefetch if prefix else 0, tot=self.tot,
-            max_batched_tokens=setup.max_batched_tokens, concurrency=setup.concurrency)
+            max_batched_tokens=setup.max_batched_tokens, concurrency=setup.concurrency,
+            preemption=setup.preemption, swap_bytes=setup.swap_bytes, cobatch=setup.cobatch)
         self.timer = StepTimer(setup, self.layout)
         # a running request's tokens are counted lazily (made at start_step): what the
         # scheduler's least-progress rule reads, and what a request preempted to make room
@@ -286,6 +304,12 @@ class Simulation:
             r.start_step = self.step
             self.timer.add(r, -1)
         sched.context_of, sched.evicting = context_of, evicting
+        # swaps copy KV over the host link; the step that swaps waits for them
+        self.swap_due = 0.0
+
+        def swapping(i, r, tokens):
+            self.swap_due += tokens * bpt / (setup.swap_gbps * 1e9)
+        sched.swap_out = sched.swap_in = swapping
         self.events: list = []     # (step, kind, request, epoch): 0 done, 1 outgrown, 2 re-read
         self.step = 0              # decode steps done; the next one has this index
         self.dma_busy_until = 0.0  # prefetches and offers: the copy engine, beside compute
@@ -311,21 +335,30 @@ class Simulation:
         (0 when nothing was admitted)."""
         sched, timer, tot = self.sched, self.timer, self.tot
         admitted, restore = sched.admit(now)
-        if not admitted:
+        if not admitted and not sched.resuming:
             return 0.0
         restore = self._restore_and_prefetch(now, admitted, restore)
         parts = [(h, c) for _, _, h, c in admitted]
-        secs, flops, nbytes = timer.prefill(parts)
-        if self.cache is not None:
-            tot["prefill_saved"] += timer.prefill([(h, 0) for h, _ in parts])[0] - secs
-        timer.note_prefill(secs, flops, nbytes)
+        secs = 0.0
+        if parts:
+            secs, flops, nbytes = timer.prefill(parts)
+            if self.cache is not None:
+                tot["prefill_saved"] += timer.prefill([(h, 0) for h, _ in parts])[0] - secs
+            timer.note_prefill(secs, flops, nbytes)
+            tot["prefills"] += 1
         secs += restore
         end = now + secs
         stall = sum(self._prefilled(i, r, end) for i, r, _, _ in admitted)
+        self._resumed()
         tot["prefill"] += secs
-        tot["prefills"] += 1
         tot["prefill_tokens"] += sum(h - c for h, c in parts)
-        return secs + stall
+        return secs + stall + self._swaps()
+
+    def _resumed(self) -> None:
+        """The swapped requests readmitted by this step join the decodes."""
+        for i, r in self.sched.resume():
+            self.timer.start(r, self.step, self.alloc.block(i))
+            self._schedule(i, r)
 
     def _prefilled(self, i, r, end: float) -> float:
         """Request i's prefill completed at `end`: it finishes, or joins the decodes (growing
@@ -367,15 +400,17 @@ class Simulation:
         sched, timer, tot = self.sched, self.timer, self.tot
         nb = len(sched.running)
         chunks, admitted, restore = sched.chunks(now)
-        if not chunks:
+        if not chunks and not sched.resuming:
             return 0.0
         restore = self._restore_and_prefetch(now, admitted, restore)
         if self.cache is not None and admitted:
             whole = [(h, 0) for _, _, h, _ in admitted]
             part = [(h, c) for _, _, h, c in admitted]
             tot["prefill_saved"] += timer.prefill(whole)[0] - timer.prefill(part)[0]
-        secs = timer.mixed_step(nb, self.step, [(start, k) for _, _, start, k in chunks],
-                                tot) + restore
+        secs = restore
+        if nb or chunks:                   # else only swapped requests came back
+            secs += timer.mixed_step(nb, self.step, [(start, k) for _, _, start, k in chunks],
+                                     tot)
         end = now + secs
         if nb:
             self.step += 1                 # every running request made a token
@@ -383,7 +418,8 @@ class Simulation:
         for i, r, _, k in chunks:
             if sched.chunk_done(i, r, k):
                 stall += self._prefilled(i, r, end)
-        return secs + stall
+        self._resumed()
+        return secs + stall + self._swaps()
 
     def _events(self, now: float) -> float:
         """Handle the events due by the current step; seconds migrations stalled it."""
@@ -418,7 +454,13 @@ class Simulation:
                 timer.relinearize(r, self.alloc.block(i))
                 if r.gen - r.made > RELINEARIZE:
                     heapq.heappush(events, (at + RELINEARIZE, 2, i, e))
-        return stall
+        return stall + self._swaps()
+
+    def _swaps(self) -> float:
+        """Seconds of the swaps since the last call (the step that made them waits)."""
+        secs, self.swap_due = self.swap_due, 0.0
+        self.tot["swap"] += secs
+        return secs
 
     def run(self) -> dict:
         """Serve every request; returns the metrics (see summarise())."""

@@ -31,11 +31,6 @@ def prepare(args):
     if importlib.util.find_spec("torch") is None:
         raise DeviceUnavailable("the engine needs torch; pip install 'odma-hw[torch]'")
     policies = parse_policies(args.policy, extra=("hf",))
-    extents = [p for p in policies if p in ("extent", "elastic")]
-    if extents:
-        raise BadArgument(f"--policy {extents[0]} is simulated, not yet executed: the engine's "
-                          f"attention reads one contiguous block or pages (odma, static, s3, "
-                          f"oracle, paged)")
     config, weights = load_config(args.model)
     trace = load_trace(args.trace)
     if args.requests is not None:
@@ -65,15 +60,35 @@ def prepare(args):
     if pool < cap * bpt:
         raise BadArgument(f"--kv-pool-mb {args.kv_pool_mb:g} holds {pool // bpt} tokens of KV, "
                           f"less than one {cap}-token request ({bpt} B per token)")
+    knee = args.extent_knee_tokens
+    if knee is None and args.card and {"extent", "elastic"} & set(policies):
+        # a (layer, K/V, head) run holds head_dim elements per token
+        unit = bpt // (2 * config.num_hidden_layers * config.num_key_value_heads)
+        knee = card_knee(args.card, unit, cap)
     return dict(policies=policies, config=config, weights=weights, prompt=prompt, gen=gen,
                 arrivals=arrivals, pool=pool, max_model_len=cap, device=device,
-                dropped=dropped, truncated=truncated, trace=trace.name, bpt=bpt)
+                dropped=dropped, truncated=truncated, trace=trace.name, bpt=bpt, knee=knee)
+
+
+def card_knee(card: str, run_unit_bytes: int, max_tokens: int) -> int:
+    """The extent knee the timing source of `card` (a preset or a card file) gives a
+    (layer, K/V, head) run of run_unit_bytes per token, as simulate derives it."""
+    from allocator.config import AllocatorConfig
+    from allocator.serving.cli import card_emu
+    from allocator.serving.presets import accelerator
+    from allocator.serving.steptime import knee_tokens
+    from allocator.serving.timing import make_timing
+
+    dev = accelerator(card, "--card")
+    timing = make_timing(dev.timing, dev.bandwidth_gbps, card_emu(dev))
+    return knee_tokens(timing, run_unit_bytes, AllocatorConfig.extent_knee_fraction, max_tokens)
 
 
 def compute(args, results: list | None = None) -> dict:
     """The JSON object of `odma-hw engine` (results appended to `results` as they finish, so
     that a caller keeps them when a later policy is interrupted)."""
     p = prepare(args)
+    from allocator.config import AllocatorConfig
     from allocator.serving.hf_reference import run_hf
     from allocator.serving.torch_engine import (build_model, check_tokens, prompt_ids, serve,
                                                 summarise)
@@ -86,7 +101,10 @@ def compute(args, results: list | None = None) -> dict:
                 "kv_bytes_per_token": p["bpt"], "page_tokens": args.page_tokens,
                 "predictor": args.predictor, "seed": args.seed, "rate": args.rate,
                 "max_num_batched_tokens": args.max_num_batched_tokens,
-                "concurrency": args.concurrency,
+                "concurrency": args.concurrency, "extent_knee_tokens": p["knee"],
+                "preemption": (f"swap ({args.swap_space:g} GB host)"
+                               if args.preemption == "swap" else "recompute"),
+                "cobatch": args.cobatch, "demand_bound": args.demand_bound,
                 "dropped_over_length": p["dropped"], "truncated_over_length": p["truncated"],
                 "weights": "loaded" if p["weights"] else "random (seeded)"}
     out = [] if results is None else results
@@ -105,8 +123,12 @@ def compute(args, results: list | None = None) -> dict:
                         max_model_len=p["max_model_len"], max_batch=args.max_batch,
                         page_tokens=args.page_tokens, predictor=args.predictor,
                         max_batched_tokens=args.max_num_batched_tokens,
-                        concurrency=args.concurrency,
-                        seed=args.seed, progress=show, keep_logits=args.check)
+                        concurrency=args.concurrency, preemption=args.preemption,
+                        swap_bytes=int(args.swap_space * 1e9), cobatch=args.cobatch,
+                        seed=args.seed, progress=show,
+                        keep_logits=args.check, config=AllocatorConfig(
+                            background_refresh=False, extent_knee_tokens=p["knee"],
+                            demand_bound=args.demand_bound))
         r = summarise(policy, run, settings)
         if args.check:
             r.update(check_tokens(model, prompts, run["tokens"], run["top_logits"]))
@@ -192,8 +214,16 @@ def register(subparsers) -> None:
     p.add_argument("--device", default="torch:cpu", metavar="torch:DEV",
                    help="the torch device (default torch:cpu)")
     p.add_argument("--policy", default="odma,static,paged", metavar="P[,P...]",
-                   help="allocation policies (odma, static, s3, oracle, paged; default "
+                   help="allocation policies (odma, static, s3, oracle, paged, extent, elastic, "
+                        "and hf: transformers' own continuous batching; default "
                         "odma,static,paged)")
+    p.add_argument("--card", default=None, metavar="CARD",
+                   help="a card (preset name or file, e.g. from `odma-hw calibrate`) whose "
+                        "timing source gives extent and elastic their knee, as simulate "
+                        "derives it: the shortest (layer, K/V, head) run reading at 0.8 of "
+                        "streaming (default: the token alignment, 16 tokens)")
+    p.add_argument("--extent-knee-tokens", type=argtypes.positive_int, default=None,
+                   metavar="N", help="extent and elastic's knee in tokens (overrides --card)")
     p.add_argument("--predictor", default="online", help="ODMA's length predictor")
     p.add_argument("--max-batch", type=argtypes.positive_int, default=32,
                    help="running requests at most (default 32)")

@@ -35,7 +35,7 @@ def summarise(trace, policy, setup, results, reqs, replicas, dropped, truncated,
     e2e = [q.finish - q.arrival for q in reqs]
     tpot = [(q.finish - q.first_token) / (q.gen - 1) for q in reqs if q.gen > 1]
     decode = tot["decode"] or 1e-30
-    busy = tot["decode"] + tot["prefill"] + tot["migration"]
+    busy = tot["decode"] + tot["prefill"] + tot["migration"] + tot["swap"]
     used = sum(r["used_tokens"] for r in results)
     reserved = sum(r["reserved_tokens"] for r in results)
     alloc_stats = [r["allocator"] for r in results]
@@ -61,6 +61,8 @@ def summarise(trace, policy, setup, results, reqs, replicas, dropped, truncated,
         "mean_batch": tot["batch_seconds"] / decode,
         "peak_batch": int(tot["peak_batch"]),
         "preemptions": int(tot["preemptions"]),
+        "swaps": int(tot["swap_outs"]),            # preemptions that kept the KV on the host
+        "swap_s": tot["swap"],
         "migrations": sum(a.get("migrations", 0) for a in alloc_stats),
         "migrated_bytes": sum(a.get("migrated_bytes", 0) for a in alloc_stats),
         "migration_s": tot["migration"],
@@ -72,7 +74,7 @@ def summarise(trace, policy, setup, results, reqs, replicas, dropped, truncated,
         "compute_bound_step_share": tot["compute_bound_steps"] / tot["steps"]
         if tot["steps"] else None,
         "busy_time_share": {k: tot[k] / busy if busy else None
-                            for k in ("decode", "prefill", "migration")},
+                            for k in ("decode", "prefill", "migration", "swap")},
         "kv_read_bytes_share": (tot["kv_bytes"] / (tot["kv_bytes"] + weight_bytes)
                                 if tot["steps"] else None),
         "time_avg_occupancy": tot["occupancy_seconds"] / busy if busy else None,
@@ -92,6 +94,9 @@ def summarise(trace, policy, setup, results, reqs, replicas, dropped, truncated,
                         if setup.max_batched_tokens is None else
                         f"chunked, {setup.max_batched_tokens} tokens per step (vLLM v1)"),
             "concurrency": setup.concurrency,
+            "preemption": (f"swap ({setup.swap_space_gb:g} GB host, {setup.swap_gbps:g} GB/s)"
+                           if setup.preemption == "swap" else "recompute"),
+            "cobatch": setup.cobatch, "demand_bound": setup.config.demand_bound,
             "dispatch": "round robin" if replicas > 1 else None,
             "kv_bytes_per_token_per_card": setup.kv_bytes_per_token,
             "weight_bytes_per_card": setup.weight_bytes, "seed": setup.seed,

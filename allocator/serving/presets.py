@@ -364,8 +364,9 @@ def load_card(path) -> Accelerator:
     return Accelerator(**fields, path=os.path.abspath(path))
 
 
-def accelerator(name_or_path) -> Accelerator:
-    """A preset card by name (card_names()), or the card a TOML or JSON file describes."""
+def accelerator(name_or_path, option: str = "--device") -> Accelerator:
+    """A preset card by name (card_names()), or the card a TOML or JSON file describes;
+    `option` is the command-line option an error names."""
     import os
 
     name = os.fspath(name_or_path)
@@ -373,5 +374,5 @@ def accelerator(name_or_path) -> Accelerator:
         return load_card(CARD_DIR / f"{name}.toml")
     if os.path.exists(name) or os.sep in name or name.lower().endswith((".toml", ".json")):
         return load_card(name)
-    raise BadArgument(f"unknown --device {name!r}: expected a card file (TOML or JSON) or a "
+    raise BadArgument(f"unknown {option} {name!r}: expected a card file (TOML or JSON) or a "
                       f"preset: {', '.join(card_names())}")

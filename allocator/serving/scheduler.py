@@ -186,6 +186,18 @@ class Scheduler:
       the new request's whole footprint fit the free pool; and a growth that finds no room
       preempts the running request with the least progress (fewest tokens of context; ties to
       the one admitted last), again until the growth fits or the grower is that request.
+    - preemption "swap" (vLLM v0's preemption_mode): a preempted request that has made a token
+      keeps its KV (prompt + made - 1 tokens, all written) in host memory while the host's
+      swap space (swap_bytes) has room, else it is recomputed; a swapped request is readmitted
+      at the front like any other, with room for its next token, and after the step that
+      admitted it its KV is copied back (resume(): no prefill) and it joins the decodes. A copy
+      that fails either way loses nothing: the request is recomputed.
+    - co-batching by bucket tag (cobatch W > 0, the paper's task pool): admission tries, among
+      the first W waiting requests, the oldest whose tag (the bucket its prediction places it
+      in: the allocator's policy's, else its power-of-two class of predicted tokens) is the
+      commonest in the batch; the head instead when none is, or when it was passed over W
+      times already (so nothing waits forever). Predictions are made when a request enters
+      the window, as the paper's predictor tags requests before they are pooled.
     What a decision costs in time is not decided here: the caller's executor (a timing model, or
     a real model's forward passes) costs or runs the steps. `tot` counts the decisions; `log`,
     when given, records each one as (what, request id) in the order made; `migrate`, when given,
@@ -194,8 +206,13 @@ class Scheduler:
     def __init__(self, alloc, predictor, requests: list, *, max_batch: int, max_prefill: int,
                  bytes_per_token: int, cache=None, schedule: str = "fcfs", prefetch: int = 0,
                  tot=None, migrate=None, log: list | None = None,
-                 max_batched_tokens: int | None = None, concurrency: int | None = None):
-        check_scheduling(max_batch, max_batched_tokens, concurrency)
+                 max_batched_tokens: int | None = None, concurrency: int | None = None,
+                 preemption: str = "recompute", swap_bytes: int = 0, cobatch: int = 0):
+        check_scheduling(max_batch, max_batched_tokens, concurrency, preemption=preemption,
+                         swap_bytes=swap_bytes, cobatch=cobatch)
+        if cobatch and schedule != "fcfs":
+            raise BadArgument(f"co-batching by bucket tag takes requests in arrival order: it "
+                              f"does not combine with the {schedule} prefix schedule")
         self.alloc = alloc
         self.predictor = predictor
         self.reqs = requests
@@ -225,6 +242,16 @@ class Scheduler:
         # tokens lazily), and what it must do before one is preempted to make room
         self.context_of = lambda i, r: r.prompt + r.made
         self.evicting = lambda i, r: None
+        # swap: the host's room, what it holds, and the executor's copies of a request's
+        # first `tokens` of KV out of its block (before the block is freed) and back into it
+        self.swap = preemption == "swap"
+        self.swap_bytes = swap_bytes
+        self.swapped_bytes = 0
+        self.resuming: list = []       # swapped requests admitted, back after the step
+        self.swap_out = lambda i, r, tokens: None
+        self.swap_in = lambda i, r, tokens: None
+        self.cobatch = cobatch
+        self.passed_over = 0           # times the queue's head was passed over (co-batching)
 
     @property
     def chunked(self) -> bool:
@@ -268,14 +295,17 @@ class Scheduler:
         admitted, tokens, restore = [], 0, 0.0
         waiting, cache, tot = self.waiting, self.cache, self.tot
         need = None                    # demand admission: the admitted requests' remaining need
+        resuming = self.resuming
         while waiting and (len(self.running) + len(self.prefilling) + len(admitted)
-                           < self.max_batch):
+                           + len(resuming) < self.max_batch):
             if budget is not None and tokens >= budget:
                 break
-            i = waiting.head(now)
+            i = waiting.head(now) if not self.cobatch else self._tagged(admitted)
             r = self.reqs[i]
-            held = r.prompt + r.made               # a rerun recomputes what it made
-            if budget is None and admitted and tokens + held > self.max_prefill:
+            # a rerun recomputes what it made; a swapped request gets its next token's slot
+            held = r.prompt + r.made + (r.swapped > 0)
+            if budget is None and admitted and not r.swapped and \
+                    tokens + held > self.max_prefill:
                 break
             if r.predicted is None:
                 r.predicted = self.predictor.predict(_request(i, r))
@@ -285,21 +315,26 @@ class Scheduler:
                     need = self._remaining_need()
                 mine = self._footprint(r)
                 free = self.alloc.pool_bytes - self.alloc.reserved_bytes
-                if (self.running or self.prefilling or admitted) and \
+                if (self.running or self.prefilling or admitted or resuming) and \
                         (need + mine) * self.bpt > free:
                     break
             try:
                 blk = self.alloc.reserve(i, held, max(0.0, L - r.made), u)
             except OutOfMemory:
-                if not self.running and not self.prefilling and not admitted:
+                if not (self.running or self.prefilling or admitted or resuming):
                     raise BadArgument(
                         f"request {i} ({r.prompt} + {r.gen} tokens) does not fit in an empty KV "
                         f"pool of {self.alloc.pool_bytes / 1e9:.2f} GB") from None
                 break
+            if self.cobatch:
+                self.passed_over = 0 if i == waiting.head(now) else self.passed_over + 1
             waiting.remove(i)
             self._note("admit", i)
             if need is not None:       # what it holds now is committed: the rest is need
                 need += max(0, mine - blk.capacity_tokens)
+            if r.swapped:              # nothing to compute: resumed after the step
+                resuming.append((i, r))
+                continue
             covered = 0
             if cache is not None and r.prefix:
                 tier = self.tier_of(r)
@@ -404,10 +439,55 @@ class Scheduler:
             self._note("migrate", i)
         return blk, (0 if blk is old else alloc.migrated_bytes - before)
 
+    def resume(self) -> list:
+        """The swapped requests admission readmitted (`resuming`), after the step that admitted
+        them: each one's KV back into its block, and it joins the batch (its next decode feeds
+        its last token). [(id, request)] in admission order."""
+        resuming, self.resuming = self.resuming, []
+        out = []
+        for i, r in resuming:
+            self._note("resume", i)
+            self.swapped_bytes -= r.swapped * self.bpt
+            try:
+                self.swap_in(i, r, r.swapped)
+            except Exception:
+                # a copy back that fails loses nothing but time: the request is recomputed
+                self._note("swap_failed", i)
+                self.tot["swap_failed"] += 1
+                self.alloc.release(i, preempted=True)
+                r.swapped = 0
+                r.epoch += 1
+                self.waiting.appendleft(i)
+                continue
+            self.tot["swap_ins"] += 1
+            r.swapped = 0
+            self.running[i] = r
+            out.append((i, r))
+        return out
+
     def preempt(self, i, r) -> None:
+        """Free request i's KV and queue it at the front: swapped to the host (swap, when the
+        request has made a token, all its context is written and the host has room), else
+        to be recomputed."""
         self._note("preempt", i)
         self.running.pop(i, None)
-        self.prefilling.pop(i, None)
+        prefilling = self.prefilling.pop(i, None) is not None
+        kv = r.prompt + r.made - 1
+        if self.swap and r.made and not prefilling and \
+                self.swapped_bytes + kv * self.bpt <= self.swap_bytes:
+            try:
+                self.swap_out(i, r, kv)
+            except Exception:
+                # a copy out that fails loses nothing: the request is recomputed
+                self._note("swap_failed", i)
+                self.tot["swap_failed"] += 1
+            else:
+                self._note("swap", i)
+                r.swapped = kv
+                self.swapped_bytes += kv * self.bpt
+                self.tot["swap_outs"] += 1
+        elif self.swap:
+            self.tot["swap_refused"] += 1
         self.alloc.release(i, preempted=True)
         r.epoch += 1
         r.preemptions += 1
@@ -441,13 +521,40 @@ class Scheduler:
         self.finish_times.append(t)
         return offered
 
+    def tag(self, i, r):
+        """Request i's bucket tag (co-batching): where the allocator's policy would place its
+        predicted length, else the power-of-two class of its predicted tokens."""
+        if r.predicted is None:
+            r.predicted = self.predictor.predict(_request(i, r))
+        L, u = r.predicted
+        place = getattr(getattr(self.alloc, "policy", None), "place", None)
+        if place is None:
+            return math.ceil(math.log2(L + 1)) if math.isfinite(L) else math.inf
+        return place(r.prompt, L, u).bucket
+
+    def _tagged(self, admitted) -> int:
+        """The request admission tries next when co-batching (see the class docstring)."""
+        window = self.waiting.first(self.cobatch)
+        if self.passed_over >= self.cobatch:
+            return window[0]
+        counts = collections.Counter(self.tag(i, r) for group in (self.running, self.prefilling)
+                                     for i, r in group.items())
+        counts.update(self.tag(i, r) for i, r, *_ in admitted + self.resuming)
+        if not counts:
+            return window[0]
+        target = max(counts.items(), key=lambda kv: kv[1])[0]
+        reqs = self.reqs
+        return next((i for i in window if self.tag(i, reqs[i]) == target), window[0])
 
     def _footprint(self, r) -> int:
         """A request's predicted final footprint in tokens (demand admission): its prompt and
-        L x (1 + demand_bound x u) generated, at least what it holds, at most max_tokens."""
+        L x (1 + demand_bound x u) generated, at least what it holds, at most max_tokens (with
+        demand_bound None, what it holds and its next token)."""
+        top = self.alloc.max_tokens
+        if self.bound is None:         # no plan: what it holds and its next token
+            return min(r.prompt + r.made + 1, top)
         L, u = r.predicted
         gen = L * (1.0 + self.bound * u) if self.bound else L
-        top = self.alloc.max_tokens
         if not gen < top:              # no idea (u infinite) or beyond any request: the most
             return top
         return min(max(r.prompt + r.made + 1, r.prompt + math.ceil(gen)), top)
@@ -456,7 +563,8 @@ class Scheduler:
         """Tokens the admitted requests are predicted to need beyond what they hold."""
         block = self.alloc.block
         return sum(max(0, self._footprint(r) - block(i).capacity_tokens)
-                   for group in (self.running, self.prefilling) for i, r in group.items())
+                   for i, r in itertools.chain(self.running.items(), self.prefilling.items(),
+                                               self.resuming))
 
     def _least_progress(self, grower) -> int:
         """The running request with the fewest tokens of context (the cheapest to recompute);
@@ -473,11 +581,26 @@ class Scheduler:
             self.log.append((what, i))
 
 
+PREEMPTION = ("recompute", "swap")
+
+
 def check_scheduling(max_batch: int, max_batched_tokens: int | None,
-                     concurrency: int | None, replicas: int = 1) -> None:
+                     concurrency: int | None, replicas: int = 1, *,
+                     preemption: str = "recompute", swap_bytes: int = 0,
+                     cobatch: int = 0) -> None:
     """BadArgument for settings no scheduler can run: vLLM's rule that a step's token budget
     holds at least one decode token per running request; a closed loop's places split evenly
-    over the replicas."""
+    over the replicas; a known preemption mode, a swap space of whole bytes >= 0 and a
+    co-batching window of whole requests >= 0."""
+    if not (isinstance(cobatch, int) and cobatch >= 0):
+        raise BadArgument(f"the co-batching window must be a whole number of requests >= 0, "
+                          f"got {cobatch!r}")
+    if preemption not in PREEMPTION:
+        raise BadArgument(f"unknown preemption mode {preemption!r}: expected one of "
+                          f"{', '.join(PREEMPTION)}")
+    if not (isinstance(swap_bytes, int) and swap_bytes >= 0):
+        raise BadArgument(f"the swap space must be a whole number of bytes >= 0, got "
+                          f"{swap_bytes!r}")
     if max_batched_tokens is not None and not (isinstance(max_batched_tokens, int)
                                                and max_batched_tokens >= max_batch):
         raise BadArgument(f"--max-num-batched-tokens {max_batched_tokens} must be an integer of "

@@ -110,6 +110,7 @@ class BlockKV:
         self.kv_heads = config.num_key_value_heads
         self.head_dim = head_dim(config)
         self.paged = hasattr(alloc, "page_tokens")
+        self.device = alloc.pool_tensor().device
         self._views: dict = {}           # request -> (its block, the block's KV view)
         if self.paged:
             T = alloc.page_tokens
@@ -118,17 +119,33 @@ class BlockKV:
             self.pages = pool.view(alloc.n_pages, alloc.page_bytes)[:, :used].view(dtype).view(
                 alloc.n_pages, self.layers, 2, self.kv_heads, T, self.head_dim)
 
-    def _view(self, i, blk=None):
-        """Request i's KV view of its live block (or of `blk`): the block is looked up in the
-        allocator every time, so a view kept of a released or migrated-away block is never
-        read, only replaced."""
+    def _pieces(self, i, blk=None):
+        """Request i's KV in its live block (or in `blk`), as _views_of gives it. The block is
+        looked up in the allocator every time, so views kept of a released or migrated-away
+        block are never read, only replaced; an extent block's are renewed when it gains an
+        extent."""
         blk = blk if blk is not None else self.alloc.block(i)
+        extents = getattr(blk, "extents", None)
         got = self._views.get(i)
-        if got is None or got[0] is not blk:
-            view = blk.tensor(self.dtype, (self.layers, 2, self.kv_heads, blk.capacity_tokens,
-                                           self.head_dim))
-            got = self._views[i] = (blk, view)
-        return got[1]
+        if got is None or got[0] is not blk or got[1] is not extents:
+            got = self._views[i] = (blk, extents, self._views_of(blk))
+        return got[2]
+
+    def _views_of(self, blk):
+        """[(first token, tokens, view of shape (layers, 2, kv_heads, tokens, head_dim))], one
+        piece per contiguous range of `blk` (a block is one, an extent block one per extent), in
+        token order."""
+        shape = (self.layers, 2, self.kv_heads)
+        extents = getattr(blk, "extents", None)
+        if extents is None:
+            return [(0, blk.capacity_tokens,
+                     blk.tensor(self.dtype, shape + (blk.capacity_tokens, self.head_dim)))]
+        pieces, first = [], 0
+        for k, (_, _, tokens, _) in enumerate(extents):
+            pieces.append((first, tokens,
+                           blk.extent_tensor(k, self.dtype, shape + (tokens, self.head_dim))))
+            first += tokens
+        return pieces
 
     def write(self, i, layer: int, start: int, k, v) -> None:
         """Store K and V, each (kv_heads, n, head_dim), at positions [start, start + n)."""
@@ -141,30 +158,50 @@ class BlockKV:
             self.pages[page, layer, 0, :, slot] = k.transpose(0, 1)
             self.pages[page, layer, 1, :, slot] = v.transpose(0, 1)
             return
-        view = self._view(i)
-        view[layer, 0, :, start:start + n] = k
-        view[layer, 1, :, start:start + n] = v
+        end = start + n
+        for first, tokens, view in self._pieces(i):
+            lo, hi = max(start, first), min(end, first + tokens)
+            if lo < hi:
+                view[layer, 0, :, lo - first:hi - first] = k[:, lo - start:hi - start]
+                view[layer, 1, :, lo - first:hi - first] = v[:, lo - start:hi - start]
 
     def read(self, i, layer: int, ctx: int):
-        """(K, V) of positions [0, ctx), each (kv_heads, ctx, head_dim): views of the block, or,
-        paged, gathered from the pages of the block table."""
+        """(K, V) of positions [0, ctx), each (kv_heads, ctx, head_dim): views of the block;
+        from extents, one run per (extent, K/V, head), joined; paged, gathered from the pages
+        of the block table."""
         if self.paged:
             T = self.alloc.page_tokens
             table = torch.tensor(self.alloc.block(i).pages[:-(-ctx // T)], dtype=torch.int64)
             kv = self.pages[table, layer]                    # (pages, 2, kv_heads, T, D)
             kv = kv.permute(1, 2, 0, 3, 4).reshape(2, self.kv_heads, -1, self.head_dim)
             return kv[0, :, :ctx], kv[1, :, :ctx]
-        view = self._view(i)
-        return view[layer, 0, :, :ctx], view[layer, 1, :, :ctx]
+        parts = [view[layer, :, :, :min(tokens, ctx - first)]
+                 for first, tokens, view in self._pieces(i) if first < ctx]
+        kv = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
+        return kv[0], kv[1]
+
+    def save(self, i, tokens: int) -> list:
+        """A host copy of request i's KV of positions [0, tokens): per layer (2, kv_heads,
+        tokens, head_dim) (a swap-out)."""
+        return [torch.stack(self.read(i, layer, tokens)).to("cpu", copy=True)
+                for layer in range(self.layers)]
+
+    def load(self, i, saved: list) -> None:
+        """Write a host copy save() made back into request i's (new) block (a swap-in)."""
+        for layer, kv in enumerate(saved):
+            kv = kv.to(self.device)
+            self.write(i, layer, 0, kv[0], kv[1])
 
     def migrate(self, old, new) -> None:
-        """The allocator's copy of a migration: the first `written` tokens of every run, each to
-        its place in the larger block."""
+        """The allocator's copy of a migration (or an extent merge): the first `written` tokens
+        of every run, each to its place in the new block."""
         n = min(old.written // self.alloc.bytes_per_token, old.capacity_tokens)
-        src = self._view(old.request_id, old)
-        dst = new.tensor(self.dtype, (self.layers, 2, self.kv_heads, new.capacity_tokens,
-                                      self.head_dim))
-        dst[:, :, :, :n] = src[:, :, :, :n]
+        dst = self._views_of(new)          # not the request's block until the switch
+        for first, tokens, src in self._pieces(old.request_id, old):
+            for to, room, view in dst:
+                lo, hi = max(first, to), min(first + tokens, to + room, n)
+                if lo < hi:
+                    view[:, :, :, lo - to:hi - to] = src[:, :, :, lo - first:hi - first]
 
 
 # ----------------------------------------------------------------------------- forward passes
@@ -259,10 +296,13 @@ def serve(model, prompts: list, gen: list, arrivals, policy: str, *, pool_bytes:
           max_model_len: int, max_batch: int = 256, max_prefill: int = 0, page_tokens: int = 16,
           predictor: str = "online", seed: int = 0, config: AllocatorConfig | None = None,
           max_batched_tokens: int | None = None, concurrency: int | None = None,
+          preemption: str = "recompute", swap_bytes: int = 0, cobatch: int = 0,
           progress=None, log: list | None = None, keep_logits: bool = False) -> dict:
     """Serve the requests (prompt token ids, tokens to make, arrival seconds from the start) with
-    `policy`, prefill-first or chunked (max_batched_tokens), open or closed loop (concurrency);
-    their tokens, times, and the allocator's and scheduler's counts."""
+    `policy`, prefill-first or chunked (max_batched_tokens), open or closed loop (concurrency),
+    a preempted request recomputed or swapped to host memory (swap_bytes of it), co-batching
+    by bucket tag over a window of `cobatch` waiting requests (0: off); their tokens,
+    times, and the allocator's and scheduler's counts."""
     dev = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
     spec = f"torch:{dev}"
@@ -270,7 +310,8 @@ def serve(model, prompts: list, gen: list, arrivals, policy: str, *, pool_bytes:
     reqs = [RequestState(i, int(prompts[i].numel()), int(gen[i]), float(arrivals[i]))
             for i in range(n)]
     bpt = kv_bytes_per_token(model.config, str(dtype).removeprefix("torch."))
-    check_scheduling(max_batch, max_batched_tokens, concurrency)
+    check_scheduling(max_batch, max_batched_tokens, concurrency, preemption=preemption,
+                     swap_bytes=swap_bytes, cobatch=cobatch)
     alloc = make_allocator(policy, spec, pool_bytes, bpt, max_model_len,
                            config or AllocatorConfig(background_refresh=False),
                            page_tokens=page_tokens)
@@ -280,7 +321,11 @@ def serve(model, prompts: list, gen: list, arrivals, policy: str, *, pool_bytes:
                                                 seed=seed), reqs,
                           max_batch=max_batch, max_prefill=max_prefill or max(max_model_len, 2048),
                           bytes_per_token=bpt, migrate=None if kv.paged else kv.migrate, log=log,
-                          max_batched_tokens=max_batched_tokens, concurrency=concurrency)
+                          max_batched_tokens=max_batched_tokens, concurrency=concurrency,
+                          preemption=preemption, swap_bytes=swap_bytes, cobatch=cobatch)
+        host: dict = {}                # swapped requests' KV
+        sched.swap_out = lambda i, r, tokens: host.__setitem__(i, kv.save(i, tokens))
+        sched.swap_in = lambda i, r, tokens: kv.load(i, host.pop(i))
         return _Serving(Runner(model, kv), sched, prompts, keep_logits).run(progress)
     finally:
         alloc.close()
@@ -350,20 +395,22 @@ class _Serving:
         chunks = []
         if not sched.chunked and sched.waiting and len(running) < sched.max_batch:
             admitted, _ = sched.admit(self.now())
-            if admitted:
+            if admitted or sched.resuming:
                 batch = [(i, self.context(i), 0) for i, _, _, _ in admitted]
-                for (i, _, _), logits in zip(batch, self.runner.forward(batch)):
-                    self.emit(i, logits)
+                if batch:
+                    for (i, _, _), logits in zip(batch, self.runner.forward(batch)):
+                        self.emit(i, logits)
                 t = self.now()
                 for i, r, _, _ in admitted:
                     self.prefilled(i, r, t)
+                sched.resume()
                 self.peak_batch = max(self.peak_batch, len(running))
                 return True
         elif sched.chunked:
             chunks, _, _ = sched.chunks(self.now())
         ids = sorted(running)
         if not ids and not chunks:
-            return False
+            return bool(sched.resume())
         # each decode feeds its last token, at the position after its context
         batch = [(i, torch.tensor(made[i][-1:]), reqs[i].prompt + reqs[i].made - 1)
                  for i in ids]
@@ -381,6 +428,7 @@ class _Serving:
             if sched.chunk_done(i, r, k):
                 self.emit(i, logits[len(ids) + j])
                 self.prefilled(i, r, t)
+        sched.resume()
         self.peak_batch = max(self.peak_batch, len(running))
         return True
 
