@@ -3,7 +3,7 @@
     from allocator import RacmAllocator, OutOfMemory
     alloc = RacmAllocator("torch:cpu", pool_bytes=64 << 20, bytes_per_token=1024, max_tokens=4096)
     blk = alloc.reserve("r1", prompt_tokens=100, predicted_tokens=200, uncertainty=0.3)
-    blk.write(kv_bytes)                     # real bytes in one contiguous range of the pool
+    blk.write(bytes(100 * 1024))            # the prompt's KV: real bytes in one contiguous range
     blk = alloc.grow("r1", 450)             # migrates (streaming copy) when outgrown
     alloc.release("r1", realized_tokens=350)
 

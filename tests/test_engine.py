@@ -278,6 +278,7 @@ def test_engine_serves_extents_with_the_knee_of_a_card(tmp_path, capsys):
     (["--max-model-len", "10"], "--clip"),
     (["--policy", "odma,magic"], "unknown policy"),
     (["--policy", "odma,elastic", "--card", "nosuch"], "unknown --card 'nosuch'"),
+    (["--policy", "odma,hf", "--preemption", "swap"], "transformers' own scheduler"),
 ])
 def test_bad_engine_input_is_one_line_before_any_weights(tmp_path, capsys, monkeypatch, args,
                                                          message):

@@ -31,6 +31,11 @@ def prepare(args):
     if importlib.util.find_spec("torch") is None:
         raise DeviceUnavailable("the engine needs torch; pip install 'odma-hw[torch]'")
     policies = parse_policies(args.policy, extra=("hf",))
+    ours = [f for f, on in (("--preemption swap", args.preemption == "swap"),
+                            ("--cobatch", args.cobatch)) if on]
+    if "hf" in policies and ours:
+        raise BadArgument(f"--policy hf runs transformers' own scheduler: {ours[0]} is odma-hw's "
+                          f"(run hf apart)")
     config, weights = load_config(args.model)
     trace = load_trace(args.trace)
     if args.requests is not None:

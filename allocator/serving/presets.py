@@ -331,10 +331,7 @@ def load_card(path) -> Accelerator:
     import json
     import os
 
-    try:
-        import tomllib
-    except ImportError:                 # Python 3.10: the same parser, as a package
-        import tomli as tomllib
+    from odma_hw import tomlread
 
     path = os.fspath(path)
     try:
@@ -345,7 +342,7 @@ def load_card(path) -> Accelerator:
     is_json = path.lower().endswith(".json")
     try:
         text = raw.decode("utf-8")
-        data = json.loads(text) if is_json else tomllib.loads(text)
+        data = json.loads(text) if is_json else tomlread.loads(text)
     except (UnicodeDecodeError, ValueError) as exc:    # TOMLDecodeError is a ValueError
         what = "JSON" if is_json else "TOML"
         raise BadArgument(f"card {path} is not valid {what}: "

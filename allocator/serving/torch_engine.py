@@ -410,7 +410,9 @@ class _Serving:
             chunks, _, _ = sched.chunks(self.now())
         ids = sorted(running)
         if not ids and not chunks:
-            return bool(sched.resume())
+            came_back = bool(sched.resuming)   # (or, a copy failing, went back to the queue)
+            sched.resume()
+            return came_back
         # each decode feeds its last token, at the position after its context
         batch = [(i, torch.tensor(made[i][-1:]), reqs[i].prompt + reqs[i].made - 1)
                  for i in ids]

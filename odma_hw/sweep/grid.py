@@ -107,15 +107,9 @@ def _scalar(value, where: str):
 
 
 def _parse_toml(raw: bytes) -> dict:
-    try:
-        import tomllib
-    except ImportError:  # Python 3.10
-        try:
-            import tomli as tomllib
-        except ImportError:
-            raise BadArgument("TOML grids need Python >= 3.11 or `pip install tomli`; "
-                              "or write the grid as JSON") from None
-    return tomllib.loads(raw.decode())
+    from odma_hw import tomlread
+
+    return tomlread.loads(raw.decode())
 
 
 def _parse_yaml(raw: bytes) -> dict:
