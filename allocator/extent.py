@@ -17,7 +17,8 @@ bandwidth. The allocator knows tokens, not devices: the caller passes the knee i
 (AllocatorConfig.extent_knee_tokens; the serving simulation derives it from its timing source).
 
 Growth: a new extent holds max(knee, growth) tokens (AllocatorConfig.extent_growth), at least
-the tokens the request needs now, aligned to token_alignment and never past max_tokens. If no
+the tokens the request needs now, in whole grains (token_alignment; elastic's: the knee) and
+never past max_tokens. If no
 range that large is free, the smallest extent that holds the tokens needed now is tried before
 giving up (it may be shorter than the knee), since the alternative is a preemption (a recompute
 of the whole context). Growth extents and merge targets go to the large region first, as ODMA's

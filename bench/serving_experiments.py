@@ -1,5 +1,6 @@
 """The serving experiments of the README, reproducible: the ODMA paper's experiment on emulated
-MLU370-X4 cards, and the map of where contiguous ODMA blocks beat paging and where they do not.
+MLU370-X4 cards, the map of where contiguous ODMA blocks beat paging and where they do not, and
+every policy side by side on three memories.
 
     .venv/bin/python bench/serving_experiments.py paper [--requests N]
         [--max-num-batched-tokens N] [--preemption swap]
@@ -12,8 +13,8 @@ MLU370-X4 cards, and the map of where contiguous ODMA blocks beat paging and whe
 MLU370-X4's LPDDR5, LPDDR5 in 8B mode, HBM), under both schedulers (prefill-first, chunked) and
 both preemption modes (recompute, swap). `paper`, `map` and `policies` read the traces from
 ../shared/traces (or ODMA_TRACES); `prefix` generates the prefix-cache paper's workloads
-(`odma-hw workload`). All print Markdown tables; `map` also writes map.png. Every row is one `odma-hw simulate` run, so any row can be rerun alone with the flags its
-table names.
+(`odma-hw workload`). All print Markdown tables; `map` also writes map.png. Every row is one
+`odma-hw simulate` run, so any row can be rerun alone with the flags its table names.
 """
 
 from __future__ import annotations

@@ -283,8 +283,8 @@ def compute(args, results: list | None = None, failed: list | None = None,
         kv_pool_gb=args.kv_pool_gb, paged_layout=args.layout, page_tokens=args.page_tokens,
         predictor=args.predictor, max_batched_tokens=args.max_num_batched_tokens,
         concurrency=args.concurrency, preemption=args.preemption, swap_space_gb=args.swap_space,
-        cobatch=args.cobatch,
-        swap_gbps=args.pcie_gbps, results=results, failed=failed, check_only=check_only)
+        swap_gbps=args.pcie_gbps, cobatch=args.cobatch, results=results, failed=failed,
+        check_only=check_only)
     return {"schema": SCHEMA, "results": results, "failed": failed or []}
 
 
