@@ -26,7 +26,7 @@ POLICIES = ("odma", "static", "s3", "oracle", "paged", "extent", "elastic")
 EXTENTS = dict(token_alignment=4, extent_knee_tokens=4, extent_max=2)
 
 
-def extent_config(policy, **kw):
+def allocator_config(policy, **kw):
     """The allocator config of a test run: small extents for the extent policies."""
     return AllocatorConfig(background_refresh=False, **kw,
                            **(EXTENTS if policy in ("extent", "elastic") else {}))
@@ -81,7 +81,7 @@ def test_extents_merges_and_elastic_preemptions_make_generates_tokens(tiny, sche
         log: list = []
         run = te.serve(model, prompts, gen, np.zeros(len(gen)), policy,
                        pool_bytes=pool * bytes_per_token(cfg), max_model_len=100, max_batch=8,
-                       predictor=predictor, log=log, config=extent_config(policy), **sched)
+                       predictor=predictor, log=log, config=allocator_config(policy), **sched)
         assert run["tokens"] == reference, f"{name} {policy} {sched}"
         assert run["allocator"]["extents_per_request_max"] > 2
         if policy == "extent":
@@ -185,7 +185,7 @@ def test_the_engine_and_simulate_make_the_same_decisions(policy, sched, preempti
         swap["swap_bytes"] = 60 * bytes_per_token(cfg, 2)
     # the torch device aligns blocks to 256 B, the simulation's device-less pool to 64 B: one
     # alignment for both, or a block's size (and so an admission) may differ
-    config = extent_config(policy, byte_alignment=256)
+    config = allocator_config(policy, byte_alignment=256)
     # elastic with the online predictor: its early underestimates make growths preempt others
     predictor = "online" if policy == "elastic" else "noisy"
     engine_log: list = []
@@ -314,7 +314,7 @@ def test_swapped_requests_make_generates_tokens(tiny, sched):
         log: list = []
         run = te.serve(model, prompts, gen, np.zeros(len(gen)), policy, pool_bytes=300 * bpt,
                        max_model_len=100, max_batch=8, page_tokens=4, predictor="noisy",
-                       log=log, config=extent_config(policy), preemption="swap",
+                       log=log, config=allocator_config(policy), preemption="swap",
                        swap_bytes=60 * bpt, **sched)
         assert run["tokens"] == reference, f"{name} {policy} {sched}"
         for what, i in log:

@@ -456,7 +456,6 @@ class Scheduler:
                 self.tot["swap_failed"] += 1
                 self.alloc.release(i, preempted=True)
                 r.swapped = 0
-                r.epoch += 1
                 self.waiting.appendleft(i)
                 continue
             self.tot["swap_ins"] += 1
