@@ -20,6 +20,7 @@ import signal
 import socket
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 from pathlib import Path
@@ -935,6 +936,58 @@ def test_ctrl_c_is_held_while_it_is_held_and_counted():
     with pytest.raises(KeyboardInterrupt):      # and is Ctrl-C again afterwards
         os.kill(os.getpid(), signal.SIGINT)
         time.sleep(1)
+
+
+def run_script(tmp_path, text: str) -> subprocess.CompletedProcess:
+    script = tmp_path / "script.py"
+    script.write_text(textwrap.dedent(text))
+    return subprocess.run([sys.executable, str(script)], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_a_ctrl_c_in_the_cleanup_still_shuts_ray_down_itself(tmp_path):
+    pytest.importorskip("ray", reason="Ray is not installed: pip install 'odma-hw[sweep]'")
+    grid = write_grid(tmp_path / "g.toml", 'command = "emulate"\n[fixed]\nrequests = 1000\n'
+                      '[axes]\nseed = [1]\n')
+    # the Ctrl-C lands while the log closes, the first thing after the last progress line
+    done = run_script(tmp_path, f"""
+        import os, signal, time
+        import ray
+        from odma_hw import sweep
+        from odma_hw.cli import main
+        close = sweep.ResultLog.close
+        def interrupted_close(self):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.2)
+            close(self)
+        sweep.ResultLog.close = interrupted_close
+        status = main(["sweep", {grid!r}, "--out", {str(tmp_path / "out")!r}])
+        print(status, ray.is_initialized())
+        """)
+    assert done.stdout.split()[-2:] == ["130", "False"], done.stderr
+    assert len(read_log(tmp_path / "out" / "results.jsonl")) == 1
+    assert (tmp_path / "out" / "results.csv").exists()
+
+
+def test_ctrl_c_at_exit_cannot_cut_short_a_shutdown_left_to_it(tmp_path):
+    pytest.importorskip("ray", reason="Ray is not installed: pip install 'odma-hw[sweep]'")
+    # Ray started and never shut down (a Ctrl-C cut ray.init short, say): the exit does it,
+    # under a Ctrl-C every 20 ms
+    done = run_script(tmp_path, """
+        import atexit, os, signal, threading, time
+        from odma_hw import sweep
+        ray = sweep.import_ray()
+        assert sweep.connect(ray, None, 1)
+        def ctrl_c_again_and_again():
+            time.sleep(0.1)
+            while True:
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(0.02)
+        atexit.register(lambda: threading.Thread(target=ctrl_c_again_and_again,
+                                                 daemon=True).start())
+        """)
+    assert "Traceback" not in done.stderr and "KeyboardInterrupt" not in done.stderr, done.stderr
+    assert done.returncode == 0, done.stderr
 
 
 def test_more_ctrl_c_while_ray_shuts_down_print_no_traceback(tmp_path):

@@ -125,6 +125,7 @@ from odma_hw.sweep.run import (
     one_line,
     resolve_address,
     run_cell,
+    shut_down,
     warm_up,
 )
 
@@ -140,8 +141,8 @@ __all__ = [
     "option_name", "Outcome", "output_rows", "OutputError", "Plan", "plan", "plot", "plot_lines",
     "plot_view", "PlotView", "prepare_out", "print_table", "Progress", "read_log", "reason",
     "register", "resolve_address", "ResultLog", "results_table", "run_cell", "run_sweep",
-    "sweepable", "table_rows", "unframe", "unit", "uses_numba", "value_checks", "value_text",
-    "warm_up", "write_table",
+    "shut_down", "sweepable", "table_rows", "unframe", "unit", "uses_numba", "value_checks",
+    "value_text", "warm_up", "write_table",
 ]
 
 SCHEMA = "odma-hw.sweep/1"
@@ -217,13 +218,14 @@ def _run_cells(the_plan: Plan, done: bytearray, out: str, *, workers, address, r
     except OutputError as exc:
         outcome.output_error = exc
     finally:
-        results_log.close()
-        if owned:
-            t_stop = time.perf_counter()
-            with ctrl_c_held() as came:
-                ray.shutdown()
-            outcome.interrupted |= bool(came)
-            ray_stop = time.perf_counter() - t_stop
+        # a Ctrl-C here would skip the shutdown, leaving it to Ray's exit hook
+        with ctrl_c_held() as came:
+            results_log.close()
+            if owned:
+                t_stop = time.perf_counter()
+                shut_down(ray)
+                ray_stop = time.perf_counter() - t_stop
+        outcome.interrupted |= bool(came)
     return outcome, ray_start, ray_stop
 
 

@@ -16,6 +16,7 @@ loading, and runs Numba on the one CPU its task holds unless the cell gives --th
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import importlib
@@ -240,6 +241,8 @@ def connect(ray, address: str | None, workers: int | None) -> bool:
     so must shut it down)."""
     if ray.is_initialized():
         return False
+    # before init: a Ctrl-C that cuts starting Ray short leaves it to the exit too
+    atexit.register(_shut_down_at_exit, ray)
     try:
         if address is None:
             ray.init(num_cpus=workers or os.cpu_count() or 1, include_dashboard=False,
@@ -254,6 +257,20 @@ def connect(ray, address: str | None, workers: int | None) -> bool:
                           f"{one_line(exc)} (a cluster with token authentication also needs "
                           f"RAY_AUTH_MODE=token here)") from None
     return True
+
+
+def shut_down(ray) -> None:
+    """Shut down the Ray that connect() started, so that the exit has nothing left to do."""
+    ray.shutdown()
+    atexit.unregister(_shut_down_at_exit)
+
+
+def _shut_down_at_exit(ray) -> None:
+    # Ray's own exit hook sleeps half a second for its logs before it shuts down, and a Ctrl-C
+    # then prints a traceback; this one runs before it (registered later) and ignores Ctrl-C,
+    # which can only ask for the exit already under way
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    ray.shutdown()
 
 
 def cluster_cpus(ray) -> int:
