@@ -12,6 +12,14 @@ them); the timing columns are whole calls, set-up included.
 import pytest
 
 
+@pytest.fixture
+def timings(benchmark):
+    """A function giving the benchmark's timings (pytest-benchmark's Stats: min, median, data)
+    once it ran, or None under --benchmark-disable, where each benchmark runs its code once,
+    untimed, as a test: the figures derived from timings are then left out."""
+    return lambda: None if benchmark.stats is None else benchmark.stats.stats
+
+
 def pytest_collect_file(file_path, parent):
     # files named on the command line are collected by pytest itself; don't collect them twice
     if (file_path.suffix == ".py" and file_path.name.startswith("bench_")

@@ -148,6 +148,58 @@ def test_the_simulator_reads_the_card(calibrated):
         result["matmul"]["tflops"]["float32"][str(result["matmul"]["prefill_rows"])], rel=1e-5)
 
 
+def test_the_matmul_table_is_the_models_products_weighed_by_their_time(calibrated):
+    from allocator.serving.presets import model_spec
+
+    folder, result, _ = calibrated
+    mm = result["matmul"]
+    spec = model_spec(result["model"])
+    assert {(q["k"], q["n"]): q["count"] for q in mm["products"]} == spec.decode_products
+    for dtype, table in mm["tflops"].items():
+        each = mm["tflops_by_product"][dtype]
+        for rows, tflops in table.items():
+            # all FLOPs over the time each shape takes, as often as a step runs it
+            flops = [2 * int(rows) * q["k"] * q["n"] * q["count"] for q in mm["products"]]
+            secs = [f / (each[f"{q['k']}x{q['n']}"][rows] * 1e12)
+                    for f, q in zip(flops, mm["products"])]
+            assert tflops == pytest.approx(sum(flops) / sum(secs) / 1e12, rel=1e-9)
+    with open(folder / "card.toml", "rb") as f:
+        card = tomllib.load(f)
+    assert card["matmul_tflops"] == pytest.approx(mm["tflops"][result["dtype"]], rel=1e-5)
+
+
+@pytest.mark.parametrize("name", ["qwen2.5-0.5b", "tiny-llama", "tiny-mistral", "tiny-qwen2"])
+def test_the_products_timed_are_the_engines_linear_layers(name):
+    import torch
+    import transformers
+
+    from allocator.serving.models import load_config
+    from allocator.serving.presets import model_spec
+
+    config, _ = load_config(name)
+    with torch.device("meta"):          # shapes only, no memory
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    linears: dict = {}
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            shape = (module.in_features, module.out_features)
+            linears[shape] = linears.get(shape, 0) + 1
+    assert model_spec(name).decode_products == linears
+
+
+def test_a_shape_a_step_runs_more_often_weighs_more(monkeypatch):
+    # the same FLOPs a call, one shape in 1 ms, the other in 4 at 1 row: the set runs the slow
+    # one three times as often, so its rate is 4 calls' FLOPs over 13 ms, nearer the slow rate
+    seconds = {(8, 8): {1: 1e-3, 2: 1e-3}, (4, 16): {1: 4e-3, 2: 2e-3}}
+    monkeypatch.setattr(cal, "_linear_seconds",
+                        lambda torch, dev, dtype, rows, k, n, effort, seed: seconds[(k, n)])
+    whole, each = cal.matmul_tflops(None, None, None, (1, 2), {(8, 8): 1, (4, 16): 3},
+                                    cal.QUICK, 0)
+    assert each[(8, 8)][1] == pytest.approx(2 * 64 / 1e-3 / 1e12)
+    assert whole[1] == pytest.approx(2 * 64 * 4 / (1e-3 + 3 * 4e-3) / 1e12)
+    assert whole[2] == pytest.approx(2 * 2 * 64 * 4 / (1e-3 + 3 * 2e-3) / 1e12)
+
+
 def test_the_cpu_share_of_other_processes_is_a_fraction():
     load = cal.OtherLoad()
     sum(i * i for i in range(200_000))          # this process's own work is not counted

@@ -8,12 +8,14 @@ What it measures, in this order (each phase prints one progress line on stderr):
    measure_run_bandwidth). Written beside the card as an `odma-hw probe --json` document
    (CARD.probe.json); the card's timing is `probe:CARD.probe.json` and its bandwidth_gbps the
    sequential figure.
-2. matmul throughput: F.linear of ROWS x hidden into hidden x intermediate of --model (the
-   shape of the engine's MLP up-projection) at the engine's dtype, weights cycled through
-   enough copies to come from memory, not a cache: at a prefill shape (--prefill-tokens rows)
-   and at decode shapes (1 .. 64 rows). The prefill shape's throughput is the card's peak at that
-   dtype with mfu = 1 (what the engine's matrix products reach); every row count's goes into
-   the card's matmul_tflops table, by which the simulator costs each step's compute.
+2. matmul throughput: F.linear over every shape of --model's matrix products (q, k, v, o, the
+   gated MLP's three, the LM head) at the engine's dtype, weights cycled through enough copies
+   to come from memory, not a cache; at each row count, all the products' FLOPs over the time
+   they take together, each shape as often as a step runs it: at a prefill shape
+   (--prefill-tokens rows) and at decode shapes (1 .. 64 rows). The prefill shape's throughput
+   is the card's peak at that dtype with mfu = 1 (what the engine's matrix products reach);
+   every row count's goes into the card's matmul_tflops table, by which the simulator costs
+   each step's compute.
 3. overheads: Runner.decode steps of the engine (allocator/serving/torch_engine.py) on the
    tiny-llama config at 2 and 6 layers, several batch sizes, 16-token contexts in static
    blocks. From each step's median time the simulator's own memory and compute terms at that
@@ -86,8 +88,9 @@ class Effort:
 
 
 FULL = Effort(run_sizes=(64, 256, 1024, 4096, 16384, 65536, 262144, 1 << 20, 4 << 20),
-              buffer_bytes=None, bandwidth_reps=7, decode_rows=(1, 2, 4, 8, 16, 32, 64),
-              matmul_reps=7, matmul_seconds=0.05, fit_batches=(1, 2, 4, 8, 16, 32),
+              buffer_bytes=None, bandwidth_reps=7,
+              decode_rows=(1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32, 48, 64),
+              matmul_reps=7, matmul_seconds=0.03, fit_batches=(1, 2, 4, 8, 16, 32),
               fit_warmup=5, fit_reps=31)
 # --quick: a quarter of the working set (still far above this machine's 32 MiB L3), fewer
 # repetitions; for tests, where fit quality matters and absolute figures do not
@@ -298,11 +301,28 @@ def measure_bandwidth(spec: str, effort: Effort, seed: int) -> dict:
                                  reps=effort.bandwidth_reps, seed=seed)
 
 
-def matmul_tflops(torch, device, dtype, rows_list, k: int, n: int, effort: Effort,
-                  seed: int) -> dict:
-    """TFLOPS of F.linear(x, W) with x (rows, k) and W (n, k) (nn.Linear's own kernel) at each
-    row count: 2 rows k n FLOPs per call over the median time of a batch of calls lasting at
-    least effort.matmul_seconds, W cycled through copies that add up to COLD_WEIGHT_BYTES."""
+def matmul_tflops(torch, device, dtype, rows_list, products: dict, effort: Effort,
+                  seed: int) -> tuple[dict, dict]:
+    """(TFLOPS of the whole set at each row count, TFLOPS of each product at each row count).
+    `products` is {(k, n): how many} (ModelSpec.decode_products): each shape is timed as
+    F.linear(x, W), x (rows, k) and W (n, k) (nn.Linear's own kernel), and the set's figure is
+    all its FLOPs (2 rows k n each) over its summed time, so each shape weighs as much as a step
+    spends in it. At a few rows the rate is steep and uneven from shape to shape: one shape's
+    figure can miss a model's by a fifth."""
+    seconds = {shape: _linear_seconds(torch, device, dtype, rows_list, *shape, effort, seed)
+               for shape in products}
+    each = {shape: {r: 2.0 * r * shape[0] * shape[1] / t / 1e12 for r, t in by_rows.items()}
+            for shape, by_rows in seconds.items()}
+    whole = {r: sum(2.0 * r * k * n * c for (k, n), c in products.items())
+             / sum(seconds[shape][r] * c for shape, c in products.items()) / 1e12
+             for r in rows_list}
+    return whole, each
+
+
+def _linear_seconds(torch, device, dtype, rows_list, k: int, n: int, effort: Effort,
+                    seed: int) -> dict:
+    """{rows: seconds of one F.linear(x, W)}: the median of batches of calls lasting at least
+    effort.matmul_seconds, W cycled through copies that add up to COLD_WEIGHT_BYTES."""
     F = torch.nn.functional
     sync = _synchronizer(torch, device)
     gen = torch.Generator(device="cpu").manual_seed(seed)
@@ -333,7 +353,7 @@ def matmul_tflops(torch, device, dtype, rows_list, k: int, n: int, effort: Effor
             run(calls, start=r * calls)
             sync()
             times.append(time.perf_counter() - t0)
-        out[rows] = 2.0 * rows * k * n * calls / statistics.median(times) / 1e12
+        out[rows] = statistics.median(times) / calls
     return out
 
 
@@ -511,6 +531,7 @@ def check(args) -> dict:
     """Every refusal before anything is measured or written: (paths, device, dtype, model
     shape)."""
     from allocator.serving.models import DTYPES, load_config
+    from allocator.serving.presets import model_spec
 
     if args.name is not None and (not args.name.strip() or
                                   any(ord(c) < 0x20 or ord(c) == 0x7F for c in args.name)):
@@ -521,14 +542,13 @@ def check(args) -> dict:
         raise BadArgument(f"--prefill-tokens must be in [1, {MAX_PREFILL_TOKENS}], got "
                           f"{args.prefill_tokens}")
     card, probe = card_paths(args.out)
-    config, _ = load_config(args.model)
+    load_config(args.model)              # a model the engine runs
     load_config(FIT_MODEL)
-    hidden = int(config.hidden_size)
-    ffn = int(getattr(config, "intermediate_size", 0) or 4 * hidden)
+    spec = model_spec(args.model)
     dev = open_torch_device(args.device)
     dtype = engine_dtype(dev["device"].type, args.dtype)
-    return {"card": card, "probe": probe, "device": dev, "dtype": dtype, "hidden": hidden,
-            "ffn": ffn, "layers": int(config.num_hidden_layers)}
+    return {"card": card, "probe": probe, "device": dev, "dtype": dtype,
+            "products": spec.decode_products, "layers": spec.layers}
 
 
 def calibrate(args, progress=None) -> dict:
@@ -555,18 +575,21 @@ def calibrate(args, progress=None) -> dict:
     timing = MeasuredTiming(f"probe:{dev['spec']}", bw["runs_gbps"], bw["seq_gbps"],
                             bw["copy_gbps"])
 
-    k, n = p["hidden"], p["ffn"]
+    products = p["products"]
     rows = (args.prefill_tokens,) + tuple(effort.decode_rows)
-    show(f"calibrate {dev['spec']}: matmul {dtype} rows x {k} -> {n} at {args.prefill_tokens} "
-         f"rows (prefill) and {', '.join(map(str, effort.decode_rows))} (decode)")
+    show(f"calibrate {dev['spec']}: matmul {dtype}, the {len(products)} shapes of "
+         f"{args.model}'s layers and LM head, at {args.prefill_tokens} rows (prefill) and "
+         f"{', '.join(map(str, effort.decode_rows))} (decode)")
     load = OtherLoad()
-    mm = {dtype: matmul_tflops(torch, dev["device"], getattr(torch, dtype), rows, k, n, effort,
-                               args.seed)}
+    mm, each = {}, {}
+    mm[dtype], each[dtype] = matmul_tflops(torch, dev["device"], getattr(torch, dtype), rows,
+                                           products, effort, args.seed)
     if dtype != "bfloat16":
         # a card needs its bf16 peak whatever the engine runs
         show(f"calibrate {dev['spec']}: matmul bfloat16 at {args.prefill_tokens} rows")
-        mm["bfloat16"] = matmul_tflops(torch, dev["device"], torch.bfloat16,
-                                       (args.prefill_tokens,), k, n, effort, args.seed)
+        mm["bfloat16"], each["bfloat16"] = matmul_tflops(
+            torch, dev["device"], torch.bfloat16, (args.prefill_tokens,), products, effort,
+            args.seed)
     other["matmul"] = load.share()
     peak = mm[dtype][args.prefill_tokens]
     tflops_bf16 = mm["bfloat16"][args.prefill_tokens]
@@ -608,7 +631,8 @@ def calibrate(args, progress=None) -> dict:
     source = (
         f"odma-hw calibrate on {dev['spec']} ({dev['name']}), torch {torch.__version__}, {when}. "
         f"Bandwidth: torch reads of random runs, sequential read and copy "
-        f"({probe_name}). Matmul {dtype} {args.prefill_tokens} x {k} -> {n}: "
+        f"({probe_name}). Matmul {dtype} over {args.model}'s layer and LM-head shapes, each "
+        f"weighed by the time a step spends in it, at {args.prefill_tokens} rows: "
         f"{peak:.4g} TFLOPS (mfu 1: the engine's matrix products reach this)"
         + (f"; bfloat16 {tflops_bf16:.4g}" if dtype != "bfloat16" else "")
         + "; at decode rows " + ", ".join(f"{r}: {decode[r]:.3g}" for r in effort.decode_rows)
@@ -639,10 +663,12 @@ def calibrate(args, progress=None) -> dict:
         "bandwidth_gbps": ["sequential read through torch, GB/s (1e9 B/s)"],
         "capacity_gb": ["the device's whole memory, GB" + (" (host memory)" if
                                                           dev["device"].type == "cpu" else "")],
-        "tflops_bf16": [f"matmul throughput at {args.prefill_tokens} x {k} -> {n}, TFLOPS"],
+        "tflops_bf16": [f"matmul throughput of {args.model}'s products at "
+                        f"{args.prefill_tokens} rows, TFLOPS"],
         "mfu": ["the figures above are what the engine's matmuls reach, not a datasheet peak"],
-        "matmul_tflops": [f"{dtype} matmul throughput by rows (tokens) in the product, TFLOPS: "
-                          f"a step's", "compute runs at its row count's"],
+        "matmul_tflops": [f"{dtype} matmul throughput by rows (tokens) in the products, TFLOPS, "
+                          f"over {args.model}'s", "shapes, each as often as a step runs it: a "
+                          "step's compute runs at its row count's"],
         "timing": ["run-read bandwidth by run size, measured with the card"],
         "link_gbps": ["placeholders, NOT measured (one device has no peer): PCIe 4.0 x16 per",
                       "direction and a 10 us hop; they matter only for simulate --tp > 1"],
@@ -670,8 +696,12 @@ def calibrate(args, progress=None) -> dict:
                       "runs_in_order_gbps": {str(s): float(v)
                                              for s, v in bw["runs_in_order_gbps"].items()},
                       "buffer_bytes": int(bw["buffer_bytes"]), "method": bw["method"]},
-        "matmul": {"shape": {"k": k, "n": n}, "prefill_rows": args.prefill_tokens,
-                   "tflops": {d: {str(r): v for r, v in t.items()} for d, t in mm.items()}},
+        "matmul": {"products": [{"k": k, "n": n, "count": c} for (k, n), c in products.items()],
+                   "prefill_rows": args.prefill_tokens,
+                   "tflops": {d: {str(r): v for r, v in t.items()} for d, t in mm.items()},
+                   "tflops_by_product": {d: {f"{k}x{n}": {str(r): v for r, v in t.items()}
+                                             for (k, n), t in e.items()}
+                                         for d, e in each.items()}},
         "overheads": {"step_us": fit["step_s"] * 1e6, "layer_us": fit["layer_s"] * 1e6,
                       "request_us": fit["request_s"] * 1e6,
                       "layer_request_us": fit["layer_request_s"] * 1e6,
@@ -701,10 +731,10 @@ def format_summary(r: dict) -> str:
              "random runs: " + ", ".join(f"{_bytes(int(s))} {g:.2f}"
                                          for s, g in bw["runs_gbps"].items()) + " GB/s"]
     mm = r["matmul"]
+    shapes = ", ".join(f"{q['count']} x {q['k']} -> {q['n']}" for q in mm["products"])
     for dtype, t in mm["tflops"].items():
         parts = [f"{rows} rows {x:.4g}" for rows, x in t.items()]
-        lines.append(f"matmul {dtype} x {mm['shape']['k']} -> {mm['shape']['n']}: "
-                     + ", ".join(parts) + " TFLOPS")
+        lines.append(f"matmul {dtype} ({shapes}): " + ", ".join(parts) + " TFLOPS")
     o = r["overheads"]
     c = o["card"]
     lines.append(f"overheads fitted on {o['fit_model']} decode steps: per step "
@@ -764,8 +794,8 @@ def register(subparsers) -> None:
                     "simulate --device CARD` predicts `odma-hw engine` there: the bandwidth of "
                     "random contiguous runs by size, sequential and copy bandwidth (written "
                     "beside the card as an `odma-hw probe --json` file, CARD.probe.json); matmul "
-                    "throughput at the engine's dtype at a prefill shape and at decode shapes of "
-                    "--model; and the per-layer, per-request and per-request-per-layer "
+                    "throughput at the engine's dtype over --model's layer and LM-head shapes, at "
+                    "a prefill row count and at decode row counts; and the per-layer, per-request and per-request-per-layer "
                     "overheads of the engine's decode steps, fitted on the tiny-llama config at "
                     "2 and 6 layers. link_gbps and link_latency_us are not measured: the card "
                     "carries placeholders and says so. About 15 s on a quiet 2-core CPU "
@@ -781,9 +811,9 @@ def register(subparsers) -> None:
                    help="the card's name (default calibrated-<device>, e.g. "
                         "calibrated-torch-cpu)")
     p.add_argument("--model", default="qwen2.5-0.5b", metavar="CONFIG",
-                   help=f"the model the card is for: its MLP's matmul (hidden -> "
-                        f"intermediate) is timed, and its layers share the per-step overhead "
-                        f"in layer_overhead_us. A config.json, a directory holding one, or one "
+                   help=f"the model the card is for: its matrix products (every layer's "
+                        f"and the LM head's shapes) are timed, and its layers share the "
+                        f"per-step overhead in layer_overhead_us. A config.json, a directory holding one, or one "
                         f"of {', '.join(shipped_configs())} (default qwen2.5-0.5b)")
     p.add_argument("--dtype", default=None, choices=list(DTYPES),
                    help="the engine's dtype (default: float32 on a CPU, bfloat16 on a GPU or "

@@ -38,11 +38,28 @@ class ModelSpec:
     @property
     def layer_params(self) -> int:
         """Weights of one layer: q, k, v, o projections, the gated MLP, two norms."""
-        q = self.hidden * self.heads * self.head_dim
-        kv = 2 * self.hidden * self.kv_heads * self.head_dim
-        o = self.heads * self.head_dim * self.hidden
         bias = (self.heads + 2 * self.kv_heads) * self.head_dim if self.qkv_bias else 0
-        return q + kv + o + bias + 3 * self.hidden * self.ffn + 2 * self.hidden
+        return sum(k * n for k, n in self.layer_products) + bias + 2 * self.hidden
+
+    @property
+    def layer_products(self) -> tuple:
+        """(in, out) features of each matrix product of one layer: the q, k, v and o
+        projections, the gated MLP's gate, up and down."""
+        q = self.heads * self.head_dim
+        kv = self.kv_heads * self.head_dim
+        return ((self.hidden, q), (self.hidden, kv), (self.hidden, kv), (q, self.hidden),
+                (self.hidden, self.ffn), (self.hidden, self.ffn), (self.ffn, self.hidden))
+
+    @property
+    def decode_products(self) -> dict:
+        """{(in, out): how many}: the matrix products of a decode step, every layer's and the LM
+        head's, each over the step's rows (the products its streamed weights go through)."""
+        count: dict = {}
+        for shape in self.layer_products:
+            count[shape] = count.get(shape, 0) + self.layers
+        head = (self.hidden, self.vocab)
+        count[head] = count.get(head, 0) + 1
+        return count
 
     @property
     def params(self) -> int:
