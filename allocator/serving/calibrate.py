@@ -795,10 +795,11 @@ def register(subparsers) -> None:
                     "random contiguous runs by size, sequential and copy bandwidth (written "
                     "beside the card as an `odma-hw probe --json` file, CARD.probe.json); matmul "
                     "throughput at the engine's dtype over --model's layer and LM-head shapes, at "
-                    "a prefill row count and at decode row counts; and the per-layer, per-request and per-request-per-layer "
-                    "overheads of the engine's decode steps, fitted on the tiny-llama config at "
+                    "a prefill row count and at decode row counts; and the per-layer, "
+                    "per-request and per-request-per-layer overheads of the engine's decode "
+                    "steps, fitted on the tiny-llama config at "
                     "2 and 6 layers. link_gbps and link_latency_us are not measured: the card "
-                    "carries placeholders and says so. About 15 s on a quiet 2-core CPU "
+                    "carries placeholders and says so. About 2 minutes on a quiet 2-core CPU "
                     "(--quick: a few seconds); other processes running meanwhile make every "
                     "figure wrong, and a warning says so.")
     p.add_argument("--device", default="torch:cpu", metavar="torch:DEV",
@@ -813,8 +814,9 @@ def register(subparsers) -> None:
     p.add_argument("--model", default="qwen2.5-0.5b", metavar="CONFIG",
                    help=f"the model the card is for: its matrix products (every layer's "
                         f"and the LM head's shapes) are timed, and its layers share the "
-                        f"per-step overhead in layer_overhead_us. A config.json, a directory holding one, or one "
-                        f"of {', '.join(shipped_configs())} (default qwen2.5-0.5b)")
+                        f"per-step overhead in layer_overhead_us. A config.json, a directory "
+                        f"holding one, or one of {', '.join(shipped_configs())} (default "
+                        f"qwen2.5-0.5b)")
     p.add_argument("--dtype", default=None, choices=list(DTYPES),
                    help="the engine's dtype (default: float32 on a CPU, bfloat16 on a GPU or "
                         "MLU); bfloat16 throughput is measured in any case")
