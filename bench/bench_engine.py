@@ -38,6 +38,8 @@ def _step(model, policy):
     for i in range(BATCH):
         alloc.reserve(i, CONTEXT, 32.0, 0.0)
     runner.prefill(list(enumerate(ids)))
+    for i in range(BATCH):
+        alloc.grow(i, CONTEXT + 1)               # room for the decoded token (paged: a page)
     tokens = [int(t[-1]) for t in ids]
     positions = [CONTEXT] * BATCH
 
