@@ -307,8 +307,8 @@ def matmul_tflops(torch, device, dtype, rows_list, products: dict, effort: Effor
     `products` is {(k, n): how many} (ModelSpec.decode_products): each shape is timed as
     F.linear(x, W), x (rows, k) and W (n, k) (nn.Linear's own kernel), and the set's figure is
     all its FLOPs (2 rows k n each) over its summed time, so each shape weighs as much as a step
-    spends in it. At a few rows the rate is steep and uneven from shape to shape: one shape's
-    figure can miss a model's by a fifth."""
+    spends in it. At a few rows the rate is steep and uneven from shape to shape (2x between
+    Qwen2.5-0.5B's shapes at 6 rows on a 2-core CPU), so no one shape stands for the model."""
     seconds = {shape: _linear_seconds(torch, device, dtype, rows_list, *shape, effort, seed)
                for shape in products}
     each = {shape: {r: 2.0 * r * shape[0] * shape[1] / t / 1e12 for r, t in by_rows.items()}
@@ -800,8 +800,9 @@ def register(subparsers) -> None:
                     "steps, fitted on the tiny-llama config at "
                     "2 and 6 layers. link_gbps and link_latency_us are not measured: the card "
                     "carries placeholders and says so. About 2 minutes on a quiet 2-core CPU "
-                    "(--quick: a few seconds); other processes running meanwhile make every "
-                    "figure wrong, and a warning says so.")
+                    "(--quick: about a minute, most of it the LM head at the prefill rows); "
+                    "other processes running meanwhile make every figure wrong, and a warning "
+                    "says so.")
     p.add_argument("--device", default="torch:cpu", metavar="torch:DEV",
                    help="the torch device the engine runs on (default torch:cpu; torch:cuda:0, "
                         "torch:mlu:0)")

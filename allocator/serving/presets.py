@@ -10,6 +10,7 @@ publishes (MLU370-X4's own FLOPS, its per-kernel overheads) are marked as assump
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import pathlib
 
@@ -54,12 +55,9 @@ class ModelSpec:
     def decode_products(self) -> dict:
         """{(in, out): how many}: the matrix products of a decode step, every layer's and the LM
         head's, each over the step's rows (the products its streamed weights go through)."""
-        count: dict = {}
-        for shape in self.layer_products:
-            count[shape] = count.get(shape, 0) + self.layers
-        head = (self.hidden, self.vocab)
-        count[head] = count.get(head, 0) + 1
-        return count
+        count = collections.Counter(self.layer_products * self.layers)
+        count[(self.hidden, self.vocab)] += 1
+        return dict(count)
 
     @property
     def params(self) -> int:
