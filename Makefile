@@ -4,14 +4,20 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# the tests also need the engine's Triton kernels (run by its interpreter); probing does not
+TEST_STAMP := $(VENV)/.installed-kernels
 
-.PHONY: setup probe test bench clean
+.PHONY: setup probe test bench gpu-check clean
 
 $(STAMP): pyproject.toml setup.py constraints.txt $(wildcard native/*.c native/*.h native/*.py)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -c constraints.txt -e '.[torch,plot,sweep,test,engine]'
 	touch $(STAMP)
+
+$(TEST_STAMP): $(STAMP)
+	$(BIN)/python -m pip install -q -c constraints.txt -e '.[torch,plot,sweep,test,engine,kernels]'
+	touch $(TEST_STAMP)
 
 # the venv is not on PATH, and the README's commands use the bare name `odma-hw`
 ON_PATH := @echo "odma-hw is $(BIN)/odma-hw: run '. $(BIN)/activate' to put it on PATH"
@@ -23,11 +29,16 @@ probe: $(STAMP)
 	$(BIN)/odma-hw probe
 	$(ON_PATH)
 
-test: $(STAMP)
+test: $(TEST_STAMP)
 	$(BIN)/python -m pytest tests
 
-bench: $(STAMP)
+bench: $(TEST_STAMP)
 	$(BIN)/python -m pytest bench --benchmark-only --benchmark-columns=min,median,max
+
+# on a GPU machine without network: the run-table kernels, engine --check, the speed runs and the
+# kernel benchmark in one deadline (bench/gpu_check.sh says what it needs beside the checkout)
+gpu-check:
+	OUT=$${OUT:-gpu-results} bash bench/gpu_check.sh
 
 clean:
 	rm -rf $(VENV) build *.egg-info odma_hw/_native*.so

@@ -7,11 +7,11 @@ offer_id: the key under which the request's whole context (prompt + generated) i
 cache when it completes (a chat turn offers the history the next turn starts with).
 
 Everything is checked when the file is read, so a bad trace is one clear line before any work
-starts: counts are whole numbers in [0, MAX_REQUEST_TOKENS], arrival times are finite and span at
-most MAX_SPAN_SECONDS (a span beyond that is a unit mistake, and would overflow the step
-counters), each column appears once, and a file that is not a trace (binary, without line breaks,
-a device that never ends) is refused after a bounded read: lines are at most MAX_LINE_CHARS long,
-a trace has at most MAX_TRACE_REQUESTS rows.
+starts: counts are whole numbers in [0, MAX_REQUEST_TOKENS] (a prompt's from MIN_PROMPT_TOKENS),
+arrival times are finite and span at most MAX_SPAN_SECONDS (a span beyond that is a unit
+mistake, and would overflow the step counters), each column appears once, and a file that is
+not a trace (binary, without line breaks, a device that never ends) is refused after a bounded
+read: lines are at most MAX_LINE_CHARS long, a trace has at most MAX_TRACE_REQUESTS rows.
 """
 
 from __future__ import annotations
@@ -33,6 +33,10 @@ from odma_hw.errors import BadArgument, OutputError
 
 # No model serves a request longer than this; a larger count is a corrupt trace.
 MAX_REQUEST_TOKENS = 10_000_000
+# A request's first token is computed at its prompt's last position: with no prompt there is
+# none, and an engine would serve it the logits of whatever shares its step. (A generation of 0
+# tokens is served as 1, as a server makes at least one.)
+MIN_PROMPT_TOKENS = 1
 # Thirty days of simulated time: the public traces span an hour; beyond this is a unit mistake.
 MAX_SPAN_SECONDS = 30 * 24 * 3600.0
 # Ten million rows load into about a gigabyte and hold a simulation for hours; a longer file is a
@@ -66,11 +70,13 @@ class RequestTrace:
                                                   and len(self.arrival) != n):
             raise BadArgument(f"{name}: a trace needs the same, non-zero number of prompt, "
                               f"generated (and arrival) values")
-        for what, v in (("prompt", self.prompt), ("generated", self.generated)):
-            if (v < 0).any() or (v > MAX_REQUEST_TOKENS).any():
-                i = int(np.flatnonzero((v < 0) | (v > MAX_REQUEST_TOKENS))[0])
-                raise BadArgument(f"{name}: request {i} has {v[i]} {what} tokens: counts must lie "
-                                  f"in [0, {MAX_REQUEST_TOKENS}]")
+        for what, v, least in (("prompt", self.prompt, MIN_PROMPT_TOKENS),
+                               ("generated", self.generated, 0)):
+            if (v < least).any() or (v > MAX_REQUEST_TOKENS).any():
+                i = int(np.flatnonzero((v < least) | (v > MAX_REQUEST_TOKENS))[0])
+                why = " (a prompt needs at least one token)" if v[i] < least else ""
+                raise BadArgument(f"{name}: request {i} has {v[i]} {what} tokens: {what} counts "
+                                  f"must lie in [{least}, {MAX_REQUEST_TOKENS}]{why}")
         if self.arrival is not None:
             if not np.isfinite(self.arrival).all():
                 raise BadArgument(f"{name}: arrival times must be finite numbers")
@@ -119,7 +125,7 @@ def _counts(values, what) -> np.ndarray:
     return a.astype(np.int64)
 
 
-def _count_cell(text: str, path: str, line: int, column: str) -> int:
+def _count_cell(text: str, path: str, line: int, column: str, least: int = 0) -> int:
     try:
         v = int(text)
     except ValueError:
@@ -131,9 +137,10 @@ def _count_cell(text: str, path: str, line: int, column: str) -> int:
             raise BadArgument(f"{path} line {line}: {column} {text!r} is not a whole number of "
                               f"tokens") from None
         v = int(f)
-    if not 0 <= v <= MAX_REQUEST_TOKENS:
-        raise BadArgument(f"{path} line {line}: {column} {v} is outside [0, "
-                          f"{MAX_REQUEST_TOKENS}]")
+    if not least <= v <= MAX_REQUEST_TOKENS:
+        why = " (a prompt needs at least one token)" if column == PROMPT and v < least else ""
+        raise BadArgument(f"{path} line {line}: {column} {v} is outside [{least}, "
+                          f"{MAX_REQUEST_TOKENS}]{why}")
     return v
 
 
@@ -219,7 +226,8 @@ def load_trace(path) -> RequestTrace:
                 if len(prompt) == MAX_TRACE_REQUESTS:
                     raise BadArgument(f"trace {path} has more than {MAX_TRACE_REQUESTS} "
                                       f"requests: serve a part of it")
-                prompt.append(_count_cell(_cell(row, at, PROMPT), path, line, PROMPT))
+                prompt.append(_count_cell(_cell(row, at, PROMPT), path, line, PROMPT,
+                                          MIN_PROMPT_TOKENS))
                 gen.append(_count_cell(_cell(row, at, GENERATED), path, line, GENERATED))
                 if timed:
                     arrival.append(_time_cell(_cell(row, at, ARRIVAL), path, line))
@@ -311,14 +319,19 @@ def write_trace(trace: RequestTrace, path) -> None:
     write_file(path, lambda f: _write_rows(trace, f), "trace")
 
 
-def write_file(path, write, what: str = "file") -> None:
+def write_file(path, write, what: str = "file", *, replace_links: bool = False) -> None:
     """Call write(f) on a text file that replaces `path` only once complete and on disk (in
     its folder, then renamed; through a link, its target; keeping a file's mode), so a write
-    that fails leaves `path` as it was. A pipe or a device (/dev/stdout) is written directly:
-    there is nothing to replace. A path that cannot be written is a BadArgument (exit 2);
-    storage that fails while writing, an OutputError (exit 3); `what` names the file in
-    either."""
+    that fails leaves `path` as it was. replace_links: a link at `path` is itself replaced by
+    the new file and its target left alone (for a file that names others beside it, which
+    must then be beside the file, not beside the target). A pipe or a device (/dev/stdout)
+    is written directly: there is nothing to replace. A path that cannot be written is a
+    BadArgument (exit 2); storage that fails while writing, an OutputError (exit 3); `what`
+    names the file in either."""
     path = os.fspath(path)
+    if replace_links and os.path.islink(path):
+        _replace(os.path.abspath(path), None, write, what, path)
+        return
     st = _existing(path)
     if st is not None and not stat.S_ISREG(st.st_mode):
         # replacing a device would put a plain file where it was
@@ -332,7 +345,12 @@ def write_file(path, write, what: str = "file") -> None:
         except OSError as exc:
             raise _write_error(what, path, exc, started=True) from None
         return
-    target = os.path.realpath(path)             # through a link: the link keeps its target
+    _replace(os.path.realpath(path), st, write, what, path)   # a link keeps its target
+
+
+def _replace(target: str, st, write, what: str, path: str) -> None:
+    """write_file's new file, written beside `target` and renamed over it, with the mode of
+    `st` (what was there; None: a new file's)."""
     tmp = os.path.join(os.path.dirname(target),
                        f".{os.path.basename(target)}.{secrets.token_hex(6)}.tmp")
     try:

@@ -1,6 +1,6 @@
-"""The real engine's decode step (allocator/serving/torch_engine.py) with the KV in contiguous
-blocks (attention reads views of each block) against pages (attention gathers through the block
-table): Qwen2.5-0.5B's published config, random weights, float32, on torch:cpu. The ratio
+"""The real engine's decode step (allocator/serving/runner.py) with the KV in contiguous blocks
+(one run per request) against 16-token pages (one run per page), read by the same run-table
+attention: Qwen2.5-0.5B's published config, random weights, float32, on torch:cpu. The ratio
 paged / contiguous seconds goes to extra_info."""
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ from allocator.config import AllocatorConfig  # noqa: E402
 from allocator.policies import make_allocator  # noqa: E402
 from allocator.serving import models  # noqa: E402
 from allocator.serving import torch_engine as te  # noqa: E402
+from allocator.serving.kv_runs import KVPool  # noqa: E402
+from allocator.serving.runner import Runner  # noqa: E402
 
 BATCH, CONTEXT = 8, 256
 
@@ -32,8 +34,7 @@ def _step(model, policy):
     alloc = make_allocator(policy, "torch:cpu", 2 * BATCH * (CONTEXT + 64) * bpt, bpt,
                            CONTEXT + 64, AllocatorConfig(background_refresh=False),
                            page_tokens=16)
-    kv = te.BlockKV(alloc, cfg, torch.float32)
-    runner = te.Runner(model, kv)
+    runner = Runner(model, KVPool(alloc, cfg, torch.float32, models.head_dim(cfg)))
     ids = te.prompt_ids(BATCH, [CONTEXT] * BATCH, cfg.vocab_size, 0)
     for i in range(BATCH):
         alloc.reserve(i, CONTEXT, 32.0, 0.0)

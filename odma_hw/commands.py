@@ -10,6 +10,11 @@ module provides:
 - sweep_checks() -> [ValueCheck]: the checks compute() makes before any work, which a sweep
   runs for every distinct combination of the values each reads, before any cell;
 - USES_NUMBA = True: a sweep's workers load the emulator's compiled code before its cells.
+
+The module of MODEL_COMMAND also provides kv_head(model) -> (name, head_dim): what its --model
+names, read by its own rules. `probe --model` asks it (model_head_dim), so that the hardware
+layer sizes a model's KV runs by the one rule the allocator sizes them with, without importing
+the allocator.
 """
 
 from __future__ import annotations
@@ -59,3 +64,22 @@ def by_module() -> dict[str, list[str]]:
     for name, module in registry().items():
         out.setdefault(module, []).append(name)
     return out
+
+
+# `probe --model` takes what `simulate --model` takes: that command's module reads it
+MODEL_COMMAND = "simulate"
+
+
+def model_head_dim(model: str) -> tuple[str, int]:
+    """(name, head_dim) of the model `model` names (a shipped config, a config.json or a folder
+    holding one, a preset), as the module of MODEL_COMMAND reads it (its kv_head); BadArgument
+    in one line for a model it refuses, or where that command is not installed or cannot load."""
+    from odma_hw.errors import BadArgument
+
+    try:
+        read = module_of(MODEL_COMMAND).kv_head
+    except (KeyError, ImportError, AttributeError) as exc:
+        raise BadArgument(f"--model needs the {MODEL_COMMAND} command, which cannot load here "
+                          f"({' '.join(str(exc).split())[:120]}); give --run-bytes instead") \
+            from None
+    return read(model)

@@ -8,6 +8,16 @@ with threads at the last core count (the memory system was not saturated, so the
 per-core limit), bandwidth sits far below the known peak, repetitions disagree too much, or the
 working set may have fit in a cache.
 
+That verdict answers "is this memory random-access-constrained at the decision granule?" (the
+ODMA paper's definition, section 2.2, speaks of "the access granularities typical of KV-cache
+paging (tens to hundreds of bytes)"). An allocator asks a narrower question: do the runs its KV
+layout reads stream at full speed? So beside the verdict the probe reports the knee (the smallest
+measured run from which on every measured run reads at >= FULL_SPEED of streaming) and, for a
+model's KV pages (--model, --page-tokens, --dtype) or a run size (--run-bytes), what paging costs
+on the device: the ratio at that run size, measured where it is a power of two, interpolated
+between the two measured granules around it otherwise. `--from FILE` re-judges a saved result
+(`probe --json`) without measuring.
+
 Every argument is checked before anything is measured: plan_probe() validates one device's probe
 (and asks the device whether it would accept every measurement of the plan), run_plan() measures.
 The `probe` command plans every device it was given before it measures the first one.
@@ -19,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import math
 import sys
 import time
@@ -26,6 +37,7 @@ from typing import Callable
 
 from odma_hw import argtypes, jsonout, plotting
 from odma_hw import devices as devmod
+from odma_hw.commands import model_head_dim
 from odma_hw.devices.base import MIN_GRANULE, Device, DeviceInfo, Measurement, is_int
 from odma_hw.errors import BadArgument
 
@@ -42,6 +54,17 @@ MAX_REP_DISAGREEMENT = 0.25
 # the memory; below it part of every pass can be served by the cache
 CACHE_FACTOR = 4
 MIB = 1 << 20
+# A run reading at this fraction of streaming or more reads at full speed: the knee is where runs
+# reach it for good, and KV runs that reach it make paging free. It is not alpha: alpha marks a
+# device as RACM at its decision granule, while a page read at 0.68 of streaming (an H100's 64 B
+# runs) still makes paged KV reads take half as long again as a contiguous block's.
+FULL_SPEED = 0.9
+# bytes per KV element; bf16 is what GPU serving stacks keep their KV cache in by default
+KV_DTYPES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1}
+DEFAULT_KV_DTYPE = "bf16"
+DEFAULT_PAGE_TOKENS = 16            # as `simulate` and `engine` page by default (vLLM's block)
+PAPER_GRANULES = ("the ODMA paper's RACM definition (section 2.2) speaks of \"the access "
+                  "granularities typical of KV-cache paging (tens to hundreds of bytes)\"")
 
 
 def check_granule(g) -> int:
@@ -52,9 +75,10 @@ def check_granule(g) -> int:
 
 
 def _bytes_of(text: str) -> int | None:
-    """'64' -> 64, '4K' -> 4096, '1M' -> 1048576 (a trailing B is allowed); None if malformed."""
+    """'64' -> 64, '4K' -> 4096, '1M' -> 1048576, '1G' (a trailing B is allowed); None if
+    malformed."""
     part = text.strip().upper().removesuffix("B")
-    mult = {"K": 1 << 10, "M": 1 << 20}.get(part[-1:], 1)
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(part[-1:], 1)
     if mult > 1:
         part = part[:-1]
     return int(part) * mult if part.isdigit() else None
@@ -80,6 +104,132 @@ def check_alpha(alpha: float) -> float:
     if not (isinstance(alpha, (int, float)) and 0.0 < alpha < 1.0):  # also refuses nan
         raise BadArgument(f"alpha must lie in (0, 1), got {alpha}")
     return alpha
+
+
+def check_full_speed(fraction: float) -> float:
+    if not (isinstance(fraction, (int, float)) and 0.0 < fraction <= 1.0):  # also refuses nan
+        raise BadArgument(f"full speed must lie in (0, 1] (a fraction of streaming), got "
+                          f"{fraction}")
+    return fraction
+
+
+def size_text(nbytes: int) -> str:
+    """2048 -> '2 KiB', 96 -> '96 B', 3072 -> '3 KiB'."""
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if nbytes >= 1 << shift and nbytes % (1 << shift) == 0:
+            return f"{nbytes >> shift} {unit}"
+    return f"{nbytes} B"
+
+
+@dataclasses.dataclass(frozen=True)
+class KVRun:
+    """A contiguous run that a paged KV layout reads, whose cost the probe reports: one page of
+    one (layer, K or V, KV head) in the head-major layout [layers, 2, kv_heads, tokens, head_dim]
+    is page_tokens x head_dim x dtype bytes (a model's pages: of_model), or `nbytes` as given."""
+
+    nbytes: int
+    page_tokens: int | None = None
+    model: str | None = None
+    head_dim: int | None = None
+    dtype: str | None = None
+
+    @classmethod
+    def of_model(cls, model: str, head_dim: int, page_tokens: int, dtype: str) -> "KVRun":
+        if not is_int(page_tokens) or page_tokens < 1:
+            raise BadArgument(f"--page-tokens must be a positive integer, got {page_tokens!r}")
+        if dtype not in KV_DTYPES:
+            raise BadArgument(f"unknown --dtype {dtype!r}: expected one of {', '.join(KV_DTYPES)}")
+        return cls(page_tokens * head_dim * KV_DTYPES[dtype], page_tokens, model, head_dim, dtype)
+
+    def label(self) -> str:
+        """'16-token pages of M (head_dim 64, bf16) are 2 KiB runs', or '2 KiB runs'."""
+        if self.model is None:
+            return f"{size_text(self.nbytes)} runs"
+        return (f"{self.page_tokens}-token pages of {self.model} (head_dim {self.head_dim}, "
+                f"{self.dtype}) are {size_text(self.nbytes)} runs")
+
+    def check_fits(self, buffer_bytes: int, where: str) -> None:
+        """BadArgument when no random read of this run fits: below the smallest granule measured,
+        or larger than the `buffer_bytes` buffer the probe reads on `where`."""
+        what = "--run-bytes" if self.model is None else self.label().replace(" are ", ", ")
+        if self.nbytes < MIN_GRANULE:
+            raise BadArgument(f"{what}: {self.nbytes} B is below the smallest granule the probe "
+                              f"measures ({MIN_GRANULE} B)")
+        if self.nbytes > buffer_bytes:
+            raise BadArgument(f"{what}: {self.nbytes} B is larger than the {buffer_bytes}-byte "
+                              f"buffer the probe reads on {where}")
+
+    def granules(self, buffer_bytes: int) -> list[int]:
+        """The granules to measure for it: the run itself where it is a power of two, else the
+        powers of two around it (the ratio is interpolated between them); none above the
+        buffer (check_fits first)."""
+        below = 1 << (self.nbytes.bit_length() - 1)
+        if below == self.nbytes:
+            return [below]
+        return [g for g in (below, 2 * below) if MIN_GRANULE <= g <= buffer_bytes]
+
+
+def knee(ratios: dict[int, float], full_speed: float = FULL_SPEED) -> int | None:
+    """The smallest measured granule from which on every measured granule reads at >=
+    `full_speed` of streaming (ratios: granule -> random/sequential); None when the largest does
+    not."""
+    found = None
+    for g in sorted(ratios, reverse=True):
+        if ratios[g] < full_speed:
+            break
+        found = g
+    return found
+
+
+def ratio_at(ratios: dict[int, float], nbytes: int, where: str) -> tuple[float, str, list[int]]:
+    """(random/sequential for runs of `nbytes`, how it was found, the granules it comes from):
+    "measured" at that granule; "interpolated" linearly in log2(size) between the two measured
+    granules around it; "largest-measured" above the largest granule measured (a longer run
+    reads no worse: a lower bound). BadArgument below the smallest granule `where` measured."""
+    if nbytes in ratios:
+        return ratios[nbytes], "measured", [nbytes]
+    sizes = sorted(ratios)
+    if nbytes < sizes[0]:
+        raise BadArgument(f"a {nbytes} B run is below the smallest granule {where} measured "
+                          f"({sizes[0]} B): probe the device for it rather than judging a saved "
+                          f"result")
+    if nbytes > sizes[-1]:
+        return ratios[sizes[-1]], "largest-measured", [sizes[-1]]
+    lo = max(g for g in sizes if g < nbytes)
+    hi = min(g for g in sizes if g > nbytes)
+    w = (math.log2(nbytes) - math.log2(lo)) / (math.log2(hi) - math.log2(lo))
+    return ratios[lo] * (1 - w) + ratios[hi] * w, "interpolated", [lo, hi]
+
+
+def judge_run(run: KVRun, ratios: dict[int, float], alpha: float, full_speed: float,
+              where: str) -> dict:
+    """What paging costs for runs like `run` on a device whose random/sequential ratios by
+    granule are `ratios`: the JSON object `kv_run` of a probe result, its `summary` the sentence
+    the table prints."""
+    ratio, how, around = ratio_at(ratios, run.nbytes, where)
+    basis = {"measured": f"measured at {size_text(run.nbytes)}",
+             "interpolated": (f"interpolated between the measured {size_text(around[0])} and "
+                              f"{size_text(around[-1])}"),
+             "largest-measured": (f"the largest measured granule's ({size_text(around[0])}): "
+                                  f"a longer run reads no worse")}[how]
+    free = ratio >= full_speed
+    if free and round(ratio, 2) >= 1.0:          # as the sentence prints it
+        tail = "paging costs nothing on this device"
+    elif free:
+        tail = (f"paging costs little on this device (paged KV reads take {1 / ratio:.2f}x a "
+                f"contiguous block's time; >= {full_speed:g} of streaming is full speed)")
+    else:
+        tail = (f"paging reads at {ratio:.2f}; contiguous blocks recommended (paged KV reads "
+                f"take {1 / ratio:.2f}x a contiguous block's time")
+        tail += f"; below alpha {alpha:.2f}: RACM at this run size)" if ratio < alpha else ")"
+    return {"run_bytes": run.nbytes, "page_tokens": run.page_tokens, "model": run.model,
+            "head_dim": run.head_dim, "dtype": run.dtype,
+            "dtype_bytes": KV_DTYPES.get(run.dtype) if run.dtype else None,
+            "ratio": ratio, "ratio_source": how, "ratio_granules": around,
+            "full_speed": full_speed,
+            "verdict": "paging-free" if free else "contiguous-recommended",
+            "summary": f"{run.label()}: {ratio:.2f} of streaming here: {tail}",
+            "basis": f"the verdict at the {size_text(run.nbytes)} run size; its ratio {basis}"}
 
 
 def _mib(nbytes: int) -> str:
@@ -124,11 +274,44 @@ class ProbeResult:
     threads: int
     seq_scaling: dict[int, float]    # threads -> sequential read GB/s
     rand_scaling: dict[int, float]   # threads -> random GB/s at the decision granule
-    buffer_bytes: int
+    buffer_bytes: int | None        # None: a saved result that does not say
     measurements: list[Measurement]
     details: dict
+    full_speed: float = FULL_SPEED
+    kv_run: dict | None = None       # judge_run() of the run asked about, if any
+    saved: dict | None = None        # the device entry of a saved result this re-judges
+    origin: str | None = None        # the file it was read from
+
+    @property
+    def ratios(self) -> dict[int, float]:
+        return {g: v / self.seq_gbps for g, v in sorted(self.rand_gbps.items())}
+
+    @property
+    def knee_bytes(self) -> int | None:
+        return knee(self.ratios, self.full_speed)
+
+    def granule_note(self) -> str:
+        """Which granule each verdict uses."""
+        note = (f"verdict {self.verdict!r} is random/sequential at the {self.granularity} B "
+                f"decision granule ({PAPER_GRANULES})")
+        if self.kv_run:
+            note += f"; kv_run's verdict is at the {size_text(self.kv_run['run_bytes'])} run size"
+        return note
+
+    def knee_text(self) -> str:
+        k, fs = self.knee_bytes, self.full_speed
+        if k is not None:
+            return (f"knee {size_text(k)}: from it on every measured run reads at >= {fs:g} of "
+                    f"streaming")
+        top = max(self.rand_gbps)
+        return (f"no knee: the largest measured run ({size_text(top)}) reads at "
+                f"{self.ratios[top]:.2f} of streaming, below {fs:g}")
 
     def to_json(self) -> dict:
+        added = {"knee_bytes": self.knee_bytes, "full_speed": self.full_speed,
+                 "granule_note": self.granule_note(), "kv_run": self.kv_run}
+        if self.saved is not None:       # re-judged: the saved fields as they were
+            return {**self.saved, **added, "from_file": self.origin}
         return {
             "device": self.device, "kind": self.kind, "name": self.name,
             "peak_gbps": self.peak_gbps, "seq_gbps": self.seq_gbps, "copy_gbps": self.copy_gbps,
@@ -143,6 +326,7 @@ class ProbeResult:
             "details": self.details,
             "measurements": [dict(dataclasses.asdict(m), gbps=m.gbps, median_gbps=m.median_gbps)
                              for m in self.measurements],
+            **added,
         }
 
 
@@ -190,6 +374,8 @@ class ProbePlan:
     reps: int
     steps: list[tuple[str, int, int]]  # (pattern, granule, threads)
     cache_note: str | None            # why the working set may fit in a cache (-> inconclusive)
+    full_speed: float = FULL_SPEED
+    run: KVRun | None = None          # the KV run whose cost is judged (its granules measured)
 
 
 def _threads_for(info: DeviceInfo, threads: int | None) -> int:
@@ -238,14 +424,17 @@ def _cache_note(device: Device, buffer_bytes: int | None) -> str | None:
 
 def plan_probe(device: Device, granularities=DEFAULT_GRANULARITIES, alpha=DEFAULT_ALPHA,
                threads: int | None = None, decision_granule: int | None = None,
-               buffer_bytes: int | None = None, reps: int = 5) -> ProbePlan:
+               buffer_bytes: int | None = None, reps: int = 5, full_speed: float = FULL_SPEED,
+               run: KVRun | None = None) -> ProbePlan:
     """Check every argument of a probe of `device` and return its plan; raise BadArgument for
     anything the probe or the device would refuse, before anything is allocated or measured.
     `threads` defaults to every CPU the host may use (devices: 1, they run on their own
     parallelism); sequential and decision-granule random bandwidth are also taken at half the
-    threads (and 1) to see whether they still scale."""
+    threads (and 1) to see whether they still scale. `run`: a KV run whose cost to judge; the
+    granules it needs (KVRun.granules) are measured too."""
     info = device.info
     check_alpha(alpha)
+    check_full_speed(full_speed)
     threads = _threads_for(info, threads)
     if not is_int(reps) or reps < 1:
         raise BadArgument(f"reps must be a positive integer, got {reps!r}")
@@ -253,6 +442,11 @@ def plan_probe(device: Device, granularities=DEFAULT_GRANULARITIES, alpha=DEFAUL
     grans = sorted({check_granule(g) for g in granularities} | {gran})
     if buffer_bytes is not None and (not is_int(buffer_bytes) or buffer_bytes <= 0):
         raise BadArgument(f"buffer size must be a positive integer of bytes, got {buffer_bytes!r}")
+    if run is not None:
+        size = device.check_measure("rand", MIN_GRANULE, threads, buffer_bytes=buffer_bytes,
+                                    reps=reps)
+        run.check_fits(size, info.spec)
+        grans = sorted(set(grans) | set(run.granules(size)))
     cache_note = _cache_note(device, buffer_bytes)
     thread_counts = sorted({1, max(1, threads // 2), threads})
     steps = [("read", 64, t) for t in thread_counts] + [("copy", 64, threads)]
@@ -261,7 +455,7 @@ def plan_probe(device: Device, granularities=DEFAULT_GRANULARITIES, alpha=DEFAUL
     for pattern, g, t in steps:  # the device's own rules (memory, granule vs buffer, limits)
         device.check_measure(pattern, g, t, buffer_bytes=buffer_bytes, reps=reps)
     return ProbePlan(device, grans, gran, alpha, threads, thread_counts, buffer_bytes, reps, steps,
-                     cache_note)
+                     cache_note, full_speed, run)
 
 
 def run_plan(plan: ProbePlan,
@@ -288,22 +482,28 @@ def run_plan(plan: ProbePlan,
     ratio = rand[gran] / seq
     verdict, reason = classify(ratio, plan.alpha, seq_scaling, rand_scaling, info.peak_gbps,
                                results, plan.cache_note)
+    kv_run = None
+    if plan.run is not None:
+        kv_run = judge_run(plan.run, {g: v / seq for g, v in rand.items()}, plan.alpha,
+                           plan.full_speed, info.spec)
     return ProbeResult(
         device=info.spec, kind=info.kind, name=info.name, peak_gbps=info.peak_gbps,
         seq_gbps=seq, copy_gbps=pick("copy").gbps, rand_gbps=rand, granularity=gran,
         ratio=ratio, alpha=plan.alpha, verdict=verdict, reason=reason, threads=threads,
         seq_scaling=seq_scaling, rand_scaling=rand_scaling,
         buffer_bytes=results[0].buffer_bytes, measurements=results,
-        details=dict(info.details, **results[-1].extra))
+        details=dict(info.details, **results[-1].extra), full_speed=plan.full_speed,
+        kv_run=kv_run)
 
 
 def probe_device(device: Device, granularities=DEFAULT_GRANULARITIES, alpha=DEFAULT_ALPHA,
                  threads: int | None = None, decision_granule: int | None = None,
                  buffer_bytes: int | None = None, reps: int = 5,
-                 progress: Callable[[str, int, int], None] | None = None) -> ProbeResult:
+                 progress: Callable[[str, int, int], None] | None = None,
+                 full_speed: float = FULL_SPEED, run: KVRun | None = None) -> ProbeResult:
     """Measure and classify one device (plan_probe, then run_plan)."""
     return run_plan(plan_probe(device, granularities, alpha, threads, decision_granule,
-                               buffer_bytes, reps), progress)
+                               buffer_bytes, reps, full_speed, run), progress)
 
 
 def default_specs() -> list[str]:
@@ -318,6 +518,111 @@ def default_specs() -> list[str]:
                 continue
             specs.append(spec)
     return specs + ["emu:lpddr5-6400"]
+
+
+# ------------------------------------------------------------------------ saved results
+def _positive(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
+
+
+def _saved_entry(entry, path: str, i: int) -> ProbeResult:
+    """One device entry of a saved result, checked as far as re-judging it needs."""
+    if not isinstance(entry, dict):
+        raise BadArgument(f"{path}: devices[{i}] is not an object")
+    name = entry.get("device")
+    where = f"{path}: device {name!r}" if isinstance(name, str) else f"{path}: devices[{i}]"
+    if not isinstance(name, str) or not name:
+        raise BadArgument(f"{where} lacks a 'device' name")
+    for key in ("verdict", "reason"):
+        if not isinstance(entry.get(key), str):
+            raise BadArgument(f"{where}: {key!r} must be text, got {entry.get(key)!r:.60}")
+    for key in ("seq_gbps", "ratio", "alpha"):
+        if not _positive(entry.get(key)):
+            raise BadArgument(f"{where}: {key!r} must be a finite number > 0, got "
+                              f"{entry.get(key)!r:.60}")
+    gran = entry.get("granularity")
+    if not is_int(gran) or gran < MIN_GRANULE:
+        raise BadArgument(f"{where}: 'granularity' must be a granule in bytes, got {gran!r:.60}")
+    rand = entry.get("rand_gbps")
+    if not isinstance(rand, dict) or not rand:
+        raise BadArgument(f"{where}: 'rand_gbps' must be an object of GB/s by granule")
+    table = {}
+    for g, v in rand.items():
+        size = int(g) if isinstance(g, str) and g.isdigit() else None
+        if size is None or size < MIN_GRANULE or not _positive(v):
+            raise BadArgument(f"{where}: 'rand_gbps' {g!r}: {v!r:.60} is not a granule in bytes "
+                              f"and a bandwidth > 0")
+        table[size] = float(v)
+    buffer_bytes = entry.get("buffer_bytes")
+    if buffer_bytes is not None and (not is_int(buffer_bytes) or buffer_bytes <= 0):
+        raise BadArgument(f"{where}: 'buffer_bytes' must be a positive integer, got "
+                          f"{buffer_bytes!r:.60}")
+    seq = float(entry["seq_gbps"])
+    copy = entry.get("copy_gbps")
+    threads = entry.get("threads") if is_int(entry.get("threads")) else 1
+
+    def scaling(key):
+        v = entry.get(key)
+        ok = isinstance(v, dict) and v and all(k.isdigit() and _positive(x) for k, x in v.items())
+        return {int(k): float(x) for k, x in v.items()} if ok else None
+
+    peak = entry.get("peak_gbps")
+    return ProbeResult(
+        device=name, kind=str(entry.get("kind", "?")), name=str(entry.get("name", "")),
+        peak_gbps=float(peak) if _positive(peak) else None, seq_gbps=seq,
+        copy_gbps=float(copy) if _positive(copy) else seq, rand_gbps=table, granularity=gran,
+        ratio=float(entry["ratio"]), alpha=float(entry["alpha"]), verdict=entry["verdict"],
+        reason=entry["reason"], threads=threads,
+        seq_scaling=scaling("seq_scaling") or {threads: seq},
+        rand_scaling=scaling("rand_scaling") or {}, buffer_bytes=buffer_bytes, measurements=[],
+        details=entry.get("details") if isinstance(entry.get("details"), dict) else {},
+        saved={k: v for k, v in entry.items()
+               if k not in ("knee_bytes", "full_speed", "granule_note", "kv_run", "from_file")},
+        origin=path)
+
+
+def load_saved(path: str, devices: list[str] | None = None) -> list[ProbeResult]:
+    """The device entries of a saved `probe --json` (schema odma-hw.probe/1), or those named in
+    `devices`, as ProbeResults that keep their saved fields; BadArgument in one line naming the
+    file (and the key) for anything amiss."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = json.load(f)
+    except OSError as exc:
+        raise BadArgument(f"--from {path}: cannot read it: {exc.strerror or exc}") from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise BadArgument(f"--from {path}: not JSON ({' '.join(str(exc).split())[:120]})") \
+            from None
+    if not isinstance(doc, dict) or doc.get("schema") != SCHEMA:
+        schema = doc.get("schema") if isinstance(doc, dict) else None
+        raise BadArgument(f"--from {path}: not an {SCHEMA} document (schema {schema!r:.60})")
+    entries = doc.get("devices")
+    if not isinstance(entries, list) or not entries:
+        raise BadArgument(f"--from {path}: 'devices' must be a non-empty list")
+    results = [_saved_entry(e, path, i) for i, e in enumerate(entries)]
+    if devices:
+        have = {r.device: r for r in results}
+        missing = [d for d in devices if d not in have]
+        if missing:
+            raise BadArgument(f"--device {missing[0]!r} is not in {path}, which holds "
+                              f"{', '.join(have)}")
+        results = [have[d] for d in dict.fromkeys(devices)]
+    return results
+
+
+def rejudge(result: ProbeResult, full_speed: float = FULL_SPEED,
+            run: KVRun | None = None) -> ProbeResult:
+    """A saved result judged again: its knee at `full_speed` and what paging `run` costs (the
+    saved verdict stands: it needs the measurements' spread and scaling, which were judged when
+    they were taken)."""
+    check_full_speed(full_speed)
+    where = result.origin or result.device
+    kv_run = None
+    if run is not None:
+        if result.buffer_bytes is not None:
+            run.check_fits(result.buffer_bytes, f"{result.device} in {where}")
+        kv_run = judge_run(run, result.ratios, result.alpha, full_speed, where)
+    return dataclasses.replace(result, full_speed=full_speed, kv_run=kv_run)
 
 
 # ------------------------------------------------------------------------------------- CLI
@@ -352,6 +657,12 @@ def format_table(results: list[ProbeResult]) -> str:
         peak = f"peak {r.peak_gbps:.1f} GB/s" if r.peak_gbps else "peak unknown"
         scaling = ", ".join(f"{t}T {v:.1f}" for t, v in r.seq_scaling.items())
         lines.append(f"{r.device}: {r.name}; {peak}; seq by threads: {scaling}; {r.reason}")
+        if r.origin:
+            lines.append(f"{r.device}: as measured in {r.origin}, judged again")
+        lines.append(f"{r.device}: the {r.verdict} verdict is taken at the {r.granularity} B "
+                     f"decision granule ({PAPER_GRANULES}); {r.knee_text()}")
+        if r.kv_run:
+            lines.append(f"{r.device}: {r.kv_run['summary']} [{r.kv_run['basis']}]")
     lines.append("GB = 1e9 B; copy counts read + write; random counts granule x accesses; "
                  "ratio = random/sequential at the decision granule")
     return "\n".join(lines)
@@ -395,9 +706,66 @@ def _unique_specs(specs: list[str]) -> list[str]:
     return specs
 
 
+def kv_run_of(args) -> KVRun | None:
+    """The run --model/--page-tokens/--dtype or --run-bytes ask about (None: neither), every
+    option checked and the model read before any device is opened. The model is read as
+    `simulate --model` reads it, by that command's module (commands.model_head_dim): one rule
+    for a model's head size, and no import of the allocator from here."""
+    if args.model is None:
+        for flag, value in (("--page-tokens", args.page_tokens), ("--dtype", args.dtype)):
+            if value is not None:
+                raise BadArgument(f"{flag} sizes a model's KV pages: give --model too (or "
+                                  f"--run-bytes alone)")
+        if args.run_bytes is None:
+            return None
+        nbytes = _bytes_of(args.run_bytes)
+        if nbytes is None or nbytes < 1:
+            raise BadArgument(f"malformed --run-bytes {args.run_bytes!r}: expected a positive "
+                              f"size in bytes, e.g. 2048 or 2K")
+        run = KVRun(nbytes)
+        run.check_fits(nbytes, "any device")   # only the lower bound: no buffer is known yet
+        return run
+    if args.run_bytes is not None:
+        raise BadArgument("--run-bytes and --model both give the run size: give one of them")
+    page_tokens = DEFAULT_PAGE_TOKENS if args.page_tokens is None else args.page_tokens
+    dtype = args.dtype or DEFAULT_KV_DTYPE
+    if dtype not in KV_DTYPES:  # argparse's choices refuse it first; a caller's namespace may not
+        raise BadArgument(f"unknown --dtype {dtype!r}: expected one of {', '.join(KV_DTYPES)}")
+    if not is_int(page_tokens) or page_tokens < 1:
+        raise BadArgument(f"--page-tokens must be a positive integer, got {page_tokens!r}")
+    name, head_dim = model_head_dim(args.model)
+    run = KVRun.of_model(name, head_dim, page_tokens, dtype)
+    run.check_fits(run.nbytes, "any device")
+    return run
+
+
+# options that shape a measurement: a saved result (--from) has had its own
+MEASURING = (("granularity", "--granularity"), ("decision_granularity", "--decision-granularity"),
+             ("alpha", "--alpha"), ("threads", "--threads"), ("buffer_mib", "--buffer-mib"),
+             ("reps", "--reps"))
+
+
+def _rejudge_saved(args, full_speed: float, run: KVRun | None) -> list[ProbeResult]:
+    given = [flag for dest, flag in MEASURING if getattr(args, dest) is not None]
+    if given:
+        raise BadArgument(f"{given[0]} shapes a measurement: --from re-judges a saved one "
+                          f"(its verdict stands); drop {given[0]} or probe the device")
+    if args.device:
+        _unique_specs(args.device)
+    return [rejudge(r, full_speed, run) for r in load_saved(args.from_file, args.device)]
+
+
 def run_probe(args) -> int:
     # everything the command line alone can refuse, before any device is opened
-    alpha = check_alpha(args.alpha)
+    full_speed = check_full_speed(args.full_speed)
+    run = kv_run_of(args)
+    if args.from_file is not None:
+        if args.plot:
+            plotting.check_plot_path(args.plot)
+        _show(args, _rejudge_saved(args, full_speed, run))
+        return 0
+    alpha = check_alpha(DEFAULT_ALPHA if args.alpha is None else args.alpha)
+    reps = 5 if args.reps is None else args.reps
     grans = (parse_granularities(args.granularity) if args.granularity is not None
              else list(DEFAULT_GRANULARITIES))
     decision = (parse_granule(args.decision_granularity) if args.decision_granularity is not None
@@ -409,6 +777,8 @@ def run_probe(args) -> int:
             raise BadArgument(f"--buffer-mib {args.buffer_mib:g} is less than one byte")
         if max(grans) > buffer_bytes:
             raise BadArgument(f"granularity {max(grans)} exceeds the {buffer_bytes}-byte buffer")
+        if run is not None:
+            run.check_fits(buffer_bytes, "every device (--buffer-mib)")
     if args.plot:
         plotting.check_plot_path(args.plot)
     specs = _unique_specs(args.device or default_specs())
@@ -419,11 +789,15 @@ def run_probe(args) -> int:
         if args.threads is not None and not any(uses_host_threads(d.info) for d in devs):
             raise BadArgument(f"--threads {args.threads}: none of {', '.join(specs)} runs on host "
                               f"threads (devices use their own parallelism); drop --threads")
-        plans = [plan_probe(d, grans, alpha, args.threads, decision, buffer_bytes, args.reps)
-                 for d in devs]
+        plans = [plan_probe(d, grans, alpha, args.threads, decision, buffer_bytes, reps,
+                            full_speed, run) for d in devs]
         progress = None if args.quiet else _progress_printer(sys.stderr)
         results = [run_plan(plan, progress) for plan in plans]
+    _show(args, results)
+    return 0
 
+
+def _show(args, results: list[ProbeResult]) -> None:
     # the results first: a plot that cannot be written at the end must not lose them
     if args.json:
         print(jsonout.dumps({"schema": SCHEMA, "devices": [r.to_json() for r in results]}, indent=1))
@@ -432,7 +806,6 @@ def run_probe(args) -> int:
     if args.plot:
         sys.stdout.flush()
         plot(results, args.plot)
-    return 0
 
 
 def run_devices(args) -> int:
@@ -464,7 +837,11 @@ def register(sub) -> None:
         description="Measure sustained sequential and random-read bandwidth on each device and "
                     "classify it as RACM (random-access-constrained) when random/sequential at the "
                     "device's natural granule (32 B on CUDA GPUs, the sector they fetch; 64 B, the line "
-                    "their consumers request, on host, MLU and emulated memories) is below alpha. With no --device: every device found plus emu:lpddr5-6400.")
+                    "their consumers request, on host, MLU and emulated memories) is below alpha. Beside that verdict: the knee (the smallest run from which on runs read "
+                    "at >= --full-speed of streaming) and, with --model (or --run-bytes), what "
+                    "paging costs for that model's KV pages on the device. --from FILE judges a "
+                    "saved --json result instead of measuring. With no --device: every device "
+                    "found plus emu:lpddr5-6400.")
     p.add_argument("--device", action="append", metavar="SPEC",
                    help="host, cuda:N, mlu:N, torch:<device>, emu:<preset> (repeatable)")
     p.add_argument("--granularity", metavar="G,...",
@@ -472,15 +849,38 @@ def register(sub) -> None:
     p.add_argument("--decision-granularity", metavar="G",
                    help="granule the verdict is taken at, a power of two >= 8 such as 64 or 4K "
                         "(default: the device's natural granule)")
-    p.add_argument("--alpha", type=float, default=DEFAULT_ALPHA,
+    p.add_argument("--alpha", type=float,
                    help="RACM threshold on random/sequential, in (0, 1) (default 0.5)")
+    p.add_argument("--full-speed", type=float, default=FULL_SPEED, metavar="F",
+                   help=f"fraction of streaming at which a run reads at full speed, in (0, 1] "
+                        f"(default {FULL_SPEED:g}): the knee is the smallest measured run from "
+                        f"which on every run reaches it, and KV runs that reach it make paging "
+                        f"free")
+    p.add_argument("--model", metavar="MODEL",
+                   help="judge the runs of this model's paged KV cache: what simulate --model "
+                        "takes (a shipped config such as qwen2.5-0.5b, a config.json or a folder "
+                        "holding one, a preset); a run is one (layer, K or V, KV head) page, "
+                        "page-tokens x head_dim x dtype bytes (the head-major layout)")
+    p.add_argument("--page-tokens", type=argtypes.positive_int, metavar="N",
+                   help=f"tokens per KV page, with --model (default {DEFAULT_PAGE_TOKENS}, as "
+                        f"simulate and engine page)")
+    p.add_argument("--dtype", choices=list(KV_DTYPES),
+                   help=f"KV element type, with --model (default {DEFAULT_KV_DTYPE}, what GPU "
+                        f"serving keeps its KV cache in by default)")
+    p.add_argument("--run-bytes", metavar="B",
+                   help="judge runs of B bytes (e.g. 2048 or 2K) instead of a model's pages; at "
+                        "most the probe's buffer. A power of two is measured; another size is "
+                        "interpolated between the two measured granules around it")
+    p.add_argument("--from", dest="from_file", metavar="FILE",
+                   help="judge a saved `probe --json` result instead of measuring (the knee, "
+                        "--model or --run-bytes; its verdict stands); --device picks its entries")
     p.add_argument("--threads", type=argtypes.positive_int,
                    help="host threads, at most the CPUs this process may run on (default: all of "
                         "them); devices other than host use their own parallelism")
     p.add_argument("--buffer-mib", type=argtypes.positive_float,
                    help="working-set size in MiB, at least 4 x the device's last-level cache where "
                         "that is known (default: per device, far above its caches)")
-    p.add_argument("--reps", type=argtypes.positive_int, default=5,
+    p.add_argument("--reps", type=argtypes.positive_int,
                    help="timed repetitions after one warm-up (default 5)")
     p.add_argument("--json", action="store_true", help=f"print one JSON object (schema {SCHEMA})")
     p.add_argument("--plot", metavar="FILE",

@@ -6,8 +6,9 @@ from odma_hw.errors import BadArgument
 
 
 def loads(text: str) -> dict:
-    """The TOML document `text` as a dict. ValueError (tomllib's TOMLDecodeError) for bad TOML;
-    BadArgument when no TOML parser is installed."""
+    """The TOML document `text` as a dict. ValueError (tomllib's TOMLDecodeError) for bad TOML,
+    nesting too deep for the parser's recursion included; BadArgument when no TOML parser is
+    installed."""
     try:
         import tomllib
     except ImportError:                 # Python 3.10: the same parser, as a package
@@ -16,4 +17,7 @@ def loads(text: str) -> dict:
         except ImportError:
             raise BadArgument("reading TOML needs Python >= 3.11 or `pip install tomli`; or "
                               "write the file as JSON") from None
-    return tomllib.loads(text)
+    try:
+        return tomllib.loads(text)
+    except RecursionError:              # `a = [[[[...` thousands deep: still just bad TOML
+        raise ValueError("arrays or tables nested too deep") from None

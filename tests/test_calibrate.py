@@ -332,3 +332,113 @@ def test_a_model_that_does_not_resolve_is_refused(tmp_path, no_measuring):
                                   ["--prefill-tokens", "0"], ["--prefill-tokens", "1000000"]])
 def test_bad_options_are_refused(tmp_path, no_measuring, argv):
     refused(["calibrate", "--out", str(tmp_path / "c.toml")] + argv, tmp_path)
+
+
+# ----------------------------------------------------------------------------- where it writes
+@pytest.fixture
+def measured_instantly(monkeypatch):
+    """Plausible figures in place of the measurements, so that a test of where and how the card
+    is written takes seconds (the figures' own quality is the tests' above)."""
+    def bandwidth(spec, effort, seed):
+        runs = {s: 10.0 * s / (s + 4096) for s in effort.run_sizes}
+        return {"device": spec, "seq_gbps": 10.0, "copy_gbps": 8.0, "runs_gbps": runs,
+                "runs_in_order_gbps": runs, "buffer_bytes": effort.buffer_bytes or 1 << 28,
+                "reps": effort.bandwidth_reps, "method": "fake"}
+
+    def matmul(torch, device, dtype, rows_list, products, effort, seed):
+        by_rows = {r: 0.01 * math.sqrt(r) for r in rows_list}
+        return by_rows, {shape: dict(by_rows) for shape in products}
+
+    def steps(torch, dev, dtype, effort, seed):
+        out = []
+        for layers in cal.FIT_LAYERS:
+            for batch in effort.fit_batches:
+                t = 1e-3 + layers * 2e-4 + layers * batch * 1e-5 + batch * 2e-5
+                out.append({"layers": layers, "batch": batch, "context": cal.FIT_CONTEXT + 1,
+                            "step_s": t, "step_min_s": t, "step_max_s": t, "step_q1_s": t,
+                            "step_q3_s": t})
+        return out
+    monkeypatch.setattr(cal, "measure_bandwidth", bandwidth)
+    monkeypatch.setattr(cal, "matmul_tflops", matmul)
+    monkeypatch.setattr(cal, "measure_steps", steps)
+
+
+def calibrate_to(out) -> dict:
+    rc, stdout, err = run(["calibrate", "--quick", "--quiet", "--json", "--model", "tiny-llama",
+                           "--out", str(out)])
+    assert rc == 0, err
+    return json.loads(stdout)
+
+
+def test_a_link_at_out_is_replaced_and_its_target_left_alone(tmp_path, measured_instantly):
+    from allocator.serving.presets import load_card
+
+    cards, cal_dir = tmp_path / "cards", tmp_path / "cal"
+    cards.mkdir()
+    cal_dir.mkdir()
+    mine = 'name = "my own card"\n'
+    (cards / "base.toml").write_text(mine)
+    (cards / "base.probe.json").write_text("{}\n")
+    (cal_dir / "link.toml").symlink_to(cards / "base.toml")
+    (cal_dir / "link.probe.json").symlink_to(cards / "base.probe.json")
+    result = calibrate_to(cal_dir / "link.toml")
+    # the user's files are as they were; the links became the new card and probe file
+    assert (cards / "base.toml").read_text() == mine
+    assert (cards / "base.probe.json").read_text() == "{}\n"
+    assert sorted(os.listdir(cards)) == ["base.probe.json", "base.toml"]
+    for name in ("link.toml", "link.probe.json"):
+        assert not (cal_dir / name).is_symlink() and (cal_dir / name).is_file(), name
+    assert sorted(os.listdir(cal_dir)) == ["link.probe.json", "link.toml"]
+    assert result["card"] == str(cal_dir / "link.toml")
+    with open(cal_dir / "link.toml", "rb") as f:
+        assert tomllib.load(f)["timing"] == "probe:link.probe.json"
+    # and the card names the probe file written beside it
+    assert load_card(cal_dir / "link.toml").timing == f"probe:{cal_dir / 'link.probe.json'}"
+
+
+def test_a_json_out_is_a_json_card_that_simulate_and_the_engine_read(tmp_path, capsys,
+                                                                     measured_instantly):
+    from allocator.serving.presets import load_card
+
+    calibrate_to(tmp_path / "cpu.json")
+    calibrate_to(tmp_path / "cpu.toml")
+    with open(tmp_path / "cpu.json") as f:
+        as_json = json.load(f)
+    with open(tmp_path / "cpu.toml", "rb") as f:
+        as_toml = tomllib.load(f)
+    assert as_json["timing"] == "probe:cpu.probe.json"
+    assert as_toml["timing"] == "probe:cpu.probe.json"     # both beside their card: one file
+    as_json.pop("source"), as_toml.pop("source")           # they give the time, to a minute
+    assert as_json == as_toml
+    assert load_card(tmp_path / "cpu.json").matmul_tflops == \
+        load_card(tmp_path / "cpu.toml").matmul_tflops
+    trace = tmp_path / "t.csv"
+    trace.write_text("num_prefill_tokens,num_decode_tokens\n10,5\n20,3\n")
+    rc, _, err = run(["simulate", "--trace", str(trace), "--policy", "odma",
+                      "--device", str(tmp_path / "cpu.json")])
+    assert rc == 0, err
+    # what `engine --card` reads the card for: extent's knee
+    from allocator.serving.engine_cli import card_knee
+
+    assert card_knee(str(tmp_path / "cpu.json"), 64, 4096) >= 1
+
+
+@pytest.mark.parametrize("out", ["c.yaml", "c", "c.toml.bak", "c.txt"])
+def test_an_out_that_is_neither_toml_nor_json_is_refused_before_measuring(tmp_path, out,
+                                                                          no_measuring):
+    err = refused(["calibrate", "--out", str(tmp_path / out)], tmp_path)
+    assert ".toml or a .json" in err
+
+
+def test_a_figure_no_card_may_hold_is_a_device_error_and_writes_nothing(
+        tmp_path, measured_instantly, monkeypatch):
+    real = cal.measure_bandwidth
+
+    def absurd(spec, effort, seed):
+        return dict(real(spec, effort, seed), seq_gbps=1e300)
+    monkeypatch.setattr(cal, "measure_bandwidth", absurd)
+    rc, out, err = run(["calibrate", "--quick", "--quiet", "--model", "tiny-llama",
+                        "--out", str(tmp_path / "c.toml")])
+    assert rc == 3 and out == "" and len(err.strip().splitlines()) == 1, err
+    assert "'bandwidth_gbps'" in err
+    assert os.listdir(tmp_path) == []

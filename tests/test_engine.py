@@ -13,7 +13,8 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from allocator.config import AllocatorConfig  # noqa: E402
-from allocator.serving import models  # noqa: E402
+from allocator.serving import models, run_attention  # noqa: E402
+from allocator.serving.kv_runs import KVPool  # noqa: E402
 from allocator.serving import torch_engine as te  # noqa: E402
 from allocator.serving.engine import RequestState, ServingSetup, Simulation  # noqa: E402
 from allocator.serving.presets import ModelSpec, accelerator  # noqa: E402
@@ -124,16 +125,15 @@ def test_the_check_agrees_with_the_reference_and_catches_a_corrupted_kv(tiny, mo
                    keep_logits=True)
     ok = te.check_tokens(model, prompts, run["tokens"], run["top_logits"])
     assert ok["mismatches"] == 0 and ok["max_logit_diff"] < 1e-3
-    # a KV store that loses the first token's keys: the logits must give it away
-    real_read = te.BlockKV.read
+    # a KV store that loses one token's keys a step: the logits must give it away
+    real_store = run_attention.store_kv
 
-    def forgetful(self, i, layer, ctx):
-        k, v = real_read(self, i, layer, ctx)
+    def forgetful(pool, k, v, *args, **kw):
         k = k.clone()
-        k[:, 0] = 0.0
-        return k, v
+        k[0] = 0.0
+        return real_store(pool, k, v, *args, **kw)
 
-    monkeypatch.setattr(te.BlockKV, "read", forgetful)
+    monkeypatch.setattr(run_attention, "store_kv", forgetful)
     bad = te.serve(model, prompts, gen, np.zeros(len(gen)), "odma",
                    pool_bytes=300 * bytes_per_token(cfg), max_model_len=100, max_batch=8,
                    keep_logits=True)
@@ -141,25 +141,23 @@ def test_the_check_agrees_with_the_reference_and_catches_a_corrupted_kv(tiny, mo
 
 
 def test_no_kv_is_read_from_a_released_or_stale_block(tiny, monkeypatch):
+    """Every run table is built from the request's live block (or, for a migration's copy,
+    the block named), and a cached region list is never stale: it equals one built afresh."""
     name, cfg, model, prompts, gen, _ = tiny
-    real_read, real_view = te.BlockKV.read, te.BlockKV._pieces
+    real = KVPool.regions
     reads = []
 
-    def checked_view(self, i, blk=None):
-        view = real_view(self, i, blk)
-        held = self._views[i][0]
+    def checked(self, i, blk=None):
+        held = self.alloc.block(i) if blk is None else blk
         assert held.live or blk is not None, f"request {i} read a released block"
-        if blk is None:
-            assert held is self.alloc.block(i), f"request {i} read a block it migrated from"
-        return view
-
-    def checked_read(self, i, layer, ctx):
-        assert self.alloc.block(i).live
+        got = real(self, i, blk)
+        self._regions.pop(i, None)
+        fresh = real(self, i, blk)
+        assert all(np.array_equal(a, b) for a, b in zip(got, fresh)), f"request {i}: stale"
         reads.append(i)
-        return real_read(self, i, layer, ctx)
+        return got
 
-    monkeypatch.setattr(te.BlockKV, "_pieces", checked_view)
-    monkeypatch.setattr(te.BlockKV, "read", checked_read)
+    monkeypatch.setattr(KVPool, "regions", checked)
     for policy in ("odma", "s3", "paged", "elastic"):
         te.serve(model, prompts, gen, np.zeros(len(gen)), policy,
                  pool_bytes=300 * bytes_per_token(cfg), max_model_len=100, max_batch=8,
@@ -328,7 +326,7 @@ def test_a_failed_swap_copy_is_recomputed_and_loses_nothing(tiny, monkeypatch, f
     """A copy to the host that fails leaves the request to be recomputed; a copy back that fails
     gives its new block back and queues it for recompute: the tokens are generate()'s."""
     name, cfg, model, prompts, gen, reference = tiny
-    real = getattr(te.BlockKV, failing)
+    real = getattr(KVPool, failing)
     calls = []
 
     def flaky(self, *args):
@@ -337,7 +335,7 @@ def test_a_failed_swap_copy_is_recomputed_and_loses_nothing(tiny, monkeypatch, f
             raise RuntimeError("host copy failed")
         return real(self, *args)
 
-    monkeypatch.setattr(te.BlockKV, failing, flaky)
+    monkeypatch.setattr(KVPool, failing, flaky)
     bpt = bytes_per_token(cfg)
     log: list = []
     run = te.serve(model, prompts, gen, np.zeros(len(gen)), "paged", pool_bytes=300 * bpt,

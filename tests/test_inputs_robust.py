@@ -302,7 +302,7 @@ SIMULATE_OPTIONS = {
     "--model": (["deepseek-r1-distill-qwen-7b", "llama-2-7b", "qwen2.5-7b"], [], ["gpt-5"]),
     "--dtype": (["bf16", "int8"], [], ["fp4"]),
     "--preemption": (["recompute", "swap"], [], ["offload"]),
-    "--swap-space": (["0", "4"], ["1e-300", "1e9"], ["-1", "nan", "inf"]),
+    "--swap-space": (["0", "4"], ["1e-300", "1e9", "9.2e9"], ["-1", "nan", "inf", "1e300"]),
     "--cobatch": (["0", "4"], ["1000000000"], ["-1", "1.5"]),
     "--demand-bound": (["0", "1", "none"], ["1e308"], ["-1", "nan", "inf", "some"]),
 }
@@ -424,3 +424,16 @@ def test_fuzzed_traces_and_options_end_in_0_2_or_3_and_never_a_traceback(tmp_pat
         if failure:
             failures.append(failure)
     assert not failures, f"{len(failures)} of {FUZZ_CASES} cases:\n" + "\n".join(failures)
+
+
+@pytest.mark.parametrize("command", ["simulate", "engine"])
+def test_a_swap_space_no_byte_count_holds_is_refused_as_it_is_parsed(command, chat_trace,
+                                                                    capsys):
+    """Both take int(GB x 1e9) bytes: 1e300 GB overflowed it only once the engine had built its
+    model. The largest that fits (2**63 - 1 bytes) is taken."""
+    from odma_hw.cli import build_parser
+
+    argv = [command, "--trace", chat_trace, "--preemption", "swap", "--swap-space"]
+    assert exit_code(argv + ["1e300"]) == 2
+    assert "--swap-space" in one_line(capsys)
+    assert build_parser().parse_args(argv + ["9.2e9"]).swap_space == 9.2e9

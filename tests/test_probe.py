@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -14,7 +15,9 @@ from odma_hw import cli
 from odma_hw.devices import host as host_backend
 from odma_hw.devices.base import Device, DeviceInfo, Measurement
 from odma_hw.errors import BadArgument
-from odma_hw.probe import classify, format_table, parse_granularities, plan_probe, probe_device
+from odma_hw.commands import model_head_dim
+from odma_hw.probe import (KVRun, classify, format_table, knee, parse_granularities, plan_probe,
+                           probe_device, ratio_at)
 
 MIB = 1 << 20
 
@@ -157,6 +160,9 @@ def test_granularity_rejects_malformed(text):
 
 # --- the command line -------------------------------------------------------------------------
 SMALL = ["--buffer-mib", "64", "--reps", "2", "--quiet"]
+# the H100's probe that the h100-sxm card ships (measured 2026-11-26)
+H100_PROBE = str(Path(__file__).resolve().parents[1] / "allocator" / "serving" / "cards"
+                 / "h100-sxm.probe.json")
 EMU = ["--device", "emu:lpddr5-6400"]
 LLC = host_backend.llc_reported_bytes()
 # a host buffer the cache rule accepts on this machine, in MiB
@@ -187,6 +193,26 @@ HOST_MIB = max(256, -(-4 * (LLC or 0) // MIB))
     ([*EMU, "--threads", "4"], "none of emu:lpddr5-6400 runs on host threads"),
     ([*EMU, "--device", "host", "--reps", "20000"], "reps must be an integer in [1, 10000]"),
     (["--device", "host", *EMU, "--device", "host"], "name each device once"),
+    # the verdict for a decision: the run asked about is checked before anything is measured
+    ([*EMU, "--model", "qwen2.5-0.5b", "--page-tokens", "0"], "--page-tokens: must be a positive"),
+    ([*EMU, "--run-bytes", "2G"], "larger than the 1073741824-byte buffer the probe reads on emu"),
+    ([*EMU, "--run-bytes", "2M", "--buffer-mib", "1"], "larger than the 1048576-byte buffer"),
+    ([*EMU, "--run-bytes", "4"], "below the smallest granule the probe measures (8 B)"),
+    ([*EMU, "--run-bytes", "2KB,4K"], "malformed --run-bytes"),
+    ([*EMU, "--model", "qwen2.5-0.5b", "--page-tokens", "1000000000"], "larger than the"),
+    ([*EMU, "--page-tokens", "16"], "give --model too"),
+    ([*EMU, "--dtype", "fp8"], "give --model too"),
+    ([*EMU, "--model", "qwen2.5-0.5b", "--run-bytes", "2K"], "give one of them"),
+    ([*EMU, "--model", "qwen2.5-0.5b", "--dtype", "int4"], "invalid choice: 'int4'"),
+    ([*EMU, "--model", "no-such-model"], "unknown --model 'no-such-model'"),
+    ([*EMU, "--full-speed", "1.5"], "full speed must lie in (0, 1]"),
+    (["--from", "/nonexistent/probe.json"], "cannot read it"),
+    (["--from", "pyproject.toml"], "not JSON"),
+    (["--from", H100_PROBE, "--run-bytes", "2G"], "larger than the 1073741824-byte buffer"),
+    (["--from", H100_PROBE, "--run-bytes", "16"], "below the smallest granule"),
+    (["--from", H100_PROBE, "--device", "cuda:1"], "'cuda:1' is not in"),
+    (["--from", H100_PROBE, "--reps", "2"], "--reps shapes a measurement"),
+    (["--from", H100_PROBE, "--alpha", "0.4"], "--alpha shapes a measurement"),
 ])
 def test_bad_input_exits_2_with_one_line(args, needle):
     r = run_cli("probe", *args)
@@ -291,3 +317,119 @@ def test_ctrl_c_stops_cleanly(device, mib):
     out, err = p.communicate(timeout=60)
     assert p.returncode == 130
     assert "interrupted" in err and "Traceback" not in err
+
+
+# --- a verdict for a decision: the knee, and what paging a model's KV costs ---------------------
+H100_RATIOS = {32: 0.34, 64: 0.68, 128: 0.98, 256: 1.03, 512: 1.03, 1024: 1.03, 4096: 1.04}
+
+
+def test_the_knee_is_the_smallest_run_from_which_on_runs_read_at_full_speed():
+    assert knee(H100_RATIOS) == 128                      # not 64 B: 0.68 is above alpha only
+    assert knee(H100_RATIOS, 0.5) == 64
+    # a granule that passes below one that fails is not the knee: from it on, they all must
+    assert knee({64: 0.95, 128: 0.7, 256: 0.92, 4096: 0.99}) == 256
+    assert knee({64: 0.5, 4096: 0.73}) is None
+
+
+def test_the_ratio_of_a_run_is_measured_interpolated_or_the_largest_measured():
+    assert ratio_at(H100_RATIOS, 128, "x") == (0.98, "measured", [128])
+    ratio, how, around = ratio_at(H100_RATIOS, 2048, "x")   # log2 halfway from 1 KiB to 4 KiB
+    assert how == "interpolated" and around == [1024, 4096] and ratio == pytest.approx(1.035)
+    assert ratio_at(H100_RATIOS, 3072, "x")[0] == pytest.approx(1.03 + 0.01 * (11.585 - 10) / 2,
+                                                                abs=1e-3)
+    assert ratio_at(H100_RATIOS, 1 << 20, "x") == (1.04, "largest-measured", [4096])
+    with pytest.raises(BadArgument, match="below the smallest granule x measured"):
+        ratio_at(H100_RATIOS, 16, "x")
+
+
+def test_a_models_kv_run_is_a_page_of_one_head_as_simulate_reads_the_model(tmp_path):
+    # Qwen2.5-0.5B: head_dim = 896 / 14 = 64; a 16-token bf16 page of one head is 2 KiB
+    assert model_head_dim("qwen2.5-0.5b") == ("qwen2.5-0.5b", 64)
+    run = KVRun.of_model("qwen2.5-0.5b", 64, 16, "bf16")
+    assert run.nbytes == 2048 and run.label().endswith("are 2 KiB runs")
+    assert KVRun.of_model("m", 64, 16, "fp32").nbytes == 4096
+    assert KVRun.of_model("m", 64, 16, "fp8").nbytes == 1024
+    # a config's own head_dim wins over hidden / heads (tiny-llama gives 8 where 64 / 8 = 8;
+    # here 16): the one rule simulate and the engine size the model by
+    config = json.loads((Path(__file__).resolve().parents[1] / "allocator" / "serving"
+                         / "configs" / "tiny-llama.json").read_text())
+    config["head_dim"] = 16
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert model_head_dim(str(tmp_path))[1] == 16
+
+
+def test_a_run_that_is_no_power_of_two_is_interpolated_between_the_granules_measured_around_it():
+    dev = FakeDevice()
+    plan = plan_probe(dev, (64,), run=KVRun(3072))
+    assert plan.granularities == [64, 2048, 4096]
+    assert plan_probe(FakeDevice(), (64,), run=KVRun(2048)).granularities == [64, 2048]
+    result = probe_device(FakeDevice(), (64,), buffer_bytes=1 << 30, run=KVRun(3072))
+    assert result.kv_run["ratio_source"] == "interpolated"
+    assert result.kv_run["ratio_granules"] == [2048, 4096]
+    assert result.kv_run["ratio"] == pytest.approx(0.3)
+    assert result.kv_run["verdict"] == "contiguous-recommended"
+    assert "RACM at this run size" in result.kv_run["summary"]
+
+
+def test_a_run_larger_than_the_buffer_is_refused_before_measuring():
+    dev = FakeDevice()
+    with pytest.raises(BadArgument, match="larger than the 67108864-byte buffer"):
+        probe_device(dev, (64,), buffer_bytes=64 * MIB, run=KVRun(128 * MIB))
+    assert dev.measured == []
+
+
+def test_the_h100s_probe_says_paging_costs_nothing_there(capsys):
+    """The issue's target: the H100 measured on 2026-11-26 (the copy h100-sxm ships) reads
+    Qwen2.5-0.5B's 16-token pages at full speed, whatever its 32 B verdict says."""
+    assert cli.main(["probe", "--device", "cuda:0", "--from", H100_PROBE,
+                     "--model", "qwen2.5-0.5b", "--page-tokens", "16"]) == 0
+    out = capsys.readouterr().out
+    assert ("16-token pages of qwen2.5-0.5b (head_dim 64, bf16) are 2 KiB runs: 1.04 of "
+            "streaming here: paging costs nothing on this device") in out
+    assert "interpolated between the measured 1 KiB and 4 KiB" in out
+    # which granule each verdict uses
+    assert "the racm verdict is taken at the 32 B decision granule" in out
+    assert "tens to hundreds of bytes" in out and "the verdict at the 2 KiB run size" in out
+    assert "knee 128 B" in out
+
+
+def test_a_rejudged_probe_keeps_every_saved_field_and_adds_the_knee_and_the_run(capsys):
+    saved = json.loads(Path(H100_PROBE).read_text())["devices"][0]
+    assert cli.main(["probe", "--from", H100_PROBE, "--model", "qwen2.5-0.5b", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["schema"] == "odma-hw.probe/1"
+    (dev,) = doc["devices"]
+    assert {k: dev[k] for k in saved} == saved                 # the old fields, as they were
+    assert dev["knee_bytes"] == 128 and dev["full_speed"] == 0.9
+    assert dev["from_file"] == H100_PROBE and "32 B decision granule" in dev["granule_note"]
+    run = dev["kv_run"]
+    assert (run["run_bytes"], run["page_tokens"], run["head_dim"], run["dtype"]) == \
+        (2048, 16, 64, "bf16")                                 # --page-tokens defaults to 16
+    assert run["verdict"] == "paging-free" and run["ratio"] == pytest.approx(1.0355, abs=1e-3)
+    # fp32 pages are 4 KiB: measured there
+    assert cli.main(["probe", "--from", H100_PROBE, "--model", "qwen2.5-0.5b", "--dtype", "fp32",
+                     "--json"]) == 0
+    run = json.loads(capsys.readouterr().out)["devices"][0]["kv_run"]
+    assert (run["run_bytes"], run["ratio_source"]) == (4096, "measured")
+    # 64 B runs (--run-bytes) read at 0.68: above alpha, yet paging would cost half again
+    assert cli.main(["probe", "--from", H100_PROBE, "--run-bytes", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "64 B runs: 0.68 of streaming here: paging reads at 0.68; contiguous blocks " \
+           "recommended (paged KV reads take 1.47x" in out
+
+
+@pytest.mark.parametrize("preset", ["mlu370-x4", "lpddr5-6400-8b"])
+def test_an_emulated_device_measures_the_models_run_and_says_what_paging_costs(preset, capsys):
+    assert cli.main(["probe", "--device", f"emu:{preset}", "--granularity", "64", "--reps", "1",
+                     "--quiet", "--model", "qwen2.5-0.5b", "--page-tokens", "16", "--json"]) == 0
+    (dev,) = json.loads(capsys.readouterr().out)["devices"]
+    assert set(dev["rand_gbps"]) == {"64", "2048"}             # the 2 KiB run was measured
+    run = dev["kv_run"]
+    assert run["ratio_source"] == "measured"
+    assert run["ratio"] == pytest.approx(dev["rand_gbps"]["2048"] / dev["seq_gbps"])
+    assert run["summary"].startswith("16-token pages of qwen2.5-0.5b (head_dim 64, bf16) are "
+                                      f"2 KiB runs: {run['ratio']:.2f} of streaming here: ")
+    if preset == "mlu370-x4":       # 24 channels of LPDDR5 in BG mode: 2 KiB runs at ~0.72
+        assert run["verdict"] == "contiguous-recommended" and "paging reads at" in run["summary"]
+        assert dev["knee_bytes"] is None
+    assert run["verdict"] == ("paging-free" if run["ratio"] >= 0.9 else "contiguous-recommended")

@@ -46,7 +46,7 @@ import time
 
 import numpy as np
 
-from odma_hw.errors import BadArgument, DeviceUnavailable
+from odma_hw.errors import BadArgument, DeviceError, DeviceUnavailable
 
 SCHEMA = "odma-hw.calibrate/1"
 PROBE_SCHEMA = "odma-hw.probe/1"
@@ -168,16 +168,20 @@ def card_paths(out: str) -> tuple[str, str]:
     """(the card, its probe file beside it) for --out; BadArgument unless both can be written
     there (the folder exists and takes new files: each is written as a new file renamed over
     the old, which asks only the folder's permission; a link at --out is replaced, not
-    followed, so that the card and the probe file it names stay side by side). Called before
-    anything is measured."""
+    followed, so that the card and the probe file it names stay side by side) and --out names a
+    card simulate reads: CARD.toml, or CARD.json for a card in JSON (simulate tells them by
+    the suffix). Called before anything is measured."""
     if not isinstance(out, str) or not out.strip():
         raise BadArgument("--out needs a file name")
     card = os.path.abspath(out)
-    stem = card[:-5] if card.endswith(".toml") else card
+    stem, suffix = os.path.splitext(card)
+    if suffix.lower() not in (".toml", ".json"):
+        raise BadArgument(f"--out must name a .toml or a .json card (simulate reads a card by "
+                          f"its suffix), not {out!r}")
     probe = stem + ".probe.json"
     folder = os.path.dirname(card)
     for path in (card, probe):
-        if os.path.isdir(path):
+        if os.path.isdir(path) and not os.path.islink(path):
             raise BadArgument(f"cannot write {path}: it is a directory")
     if not os.path.isdir(folder):
         raise BadArgument(f"cannot write card {out}: folder {folder} does not exist")
@@ -212,6 +216,7 @@ def open_torch_device(spec: str) -> dict:
         tdev = dev.dev
         name = dev.info.name
         norm = dev.info.spec
+        free = dev.info.free_bytes            # host: available RAM; an accelerator: free now
     if tdev.type == "cpu":
         # the engine's tensors live in host memory: all of it, not what is free now
         capacity = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -222,7 +227,8 @@ def open_torch_device(spec: str) -> dict:
             capacity = mod.get_device_properties(tdev).total_memory
         except (AttributeError, RuntimeError):
             capacity = mod.mem_get_info(tdev)[1]
-    return {"spec": norm, "device": tdev, "name": name, "capacity_bytes": int(capacity)}
+    return {"spec": norm, "device": tdev, "name": name, "capacity_bytes": int(capacity),
+            "free_bytes": int(free)}
 
 
 def _cpu_name() -> str | None:
@@ -319,6 +325,19 @@ def matmul_tflops(torch, device, dtype, rows_list, products: dict, effort: Effor
     return whole, each
 
 
+def weight_copies(k: int, n: int, elsize: int) -> int:
+    """How many copies of an (n, k) weight a matmul measurement cycles through: enough to add
+    up to COLD_WEIGHT_BYTES, at most MAX_WEIGHT_COPIES."""
+    return max(1, min(MAX_WEIGHT_COPIES, math.ceil(COLD_WEIGHT_BYTES / (k * n * elsize))))
+
+
+def matmul_bytes(products, rows: int, elsize: int) -> int:
+    """The most memory the measurement of one of `products` ({(k, n): count}) holds at once: its
+    weight's copies, and its input and output at `rows` rows."""
+    return max(weight_copies(k, n, elsize) * k * n * elsize + rows * (k + n) * elsize
+               for k, n in products)
+
+
 def _linear_seconds(torch, device, dtype, rows_list, k: int, n: int, effort: Effort,
                     seed: int) -> dict:
     """{rows: seconds of one F.linear(x, W)}: the median of batches of calls lasting at least
@@ -327,7 +346,7 @@ def _linear_seconds(torch, device, dtype, rows_list, k: int, n: int, effort: Eff
     sync = _synchronizer(torch, device)
     gen = torch.Generator(device="cpu").manual_seed(seed)
     elsize = torch.empty((), dtype=dtype).element_size()
-    copies = max(1, min(MAX_WEIGHT_COPIES, math.ceil(COLD_WEIGHT_BYTES / (k * n * elsize))))
+    copies = weight_copies(k, n, elsize)
     weights = [(torch.randn((n, k), generator=gen) / math.sqrt(k)).to(device=device, dtype=dtype)
                for _ in range(copies)]
     out = {}
@@ -358,8 +377,8 @@ def _linear_seconds(torch, device, dtype, rows_list, k: int, n: int, effort: Eff
 
 
 def measure_steps(torch, dev: dict, dtype: str, effort: Effort, seed: int) -> list[dict]:
-    """Median seconds of one engine decode step (Runner.decode, then one argmax per request, as
-    the engine's serving loop takes each request's token) at each FIT_LAYERS x batch size, every
+    """Median seconds of one engine decode step (Runner.decode, then the argmax of every row, read
+    back once, as the engine's serving loop takes the step's tokens) at each FIT_LAYERS x batch size, every
     request FIT_CONTEXT tokens into its static block. Each request re-decodes the same position,
     so every timed step has the same shape. The shapes take turns, one step each per round: a
     burst of load from elsewhere on the machine then slows every shape alike instead of all the
@@ -367,7 +386,10 @@ def measure_steps(torch, dev: dict, dtype: str, effort: Effort, seed: int) -> li
     from allocator.config import AllocatorConfig
     from allocator.policies import make_allocator
     from allocator.serving.models import kv_bytes_per_token, load_config
-    from allocator.serving.torch_engine import BlockKV, Runner, build_model
+    from allocator.serving.kv_runs import KVPool
+    from allocator.serving.models import head_dim
+    from allocator.serving.runner import Runner
+    from allocator.serving.torch_engine import build_model
 
     sync = _synchronizer(torch, dev["device"])
     most = max(effort.fit_batches)
@@ -383,7 +405,7 @@ def measure_steps(torch, dev: dict, dtype: str, effort: Effort, seed: int) -> li
             alloc = make_allocator(FIT_POLICY, dev["spec"], 2 * most * max_len * bpt, bpt,
                                    max_len, AllocatorConfig(background_refresh=False))
             allocs.append(alloc)
-            runner = Runner(model, BlockKV(alloc, config, getattr(torch, dtype)))
+            runner = Runner(model, KVPool(alloc, config, getattr(torch, dtype), head_dim(config)))
             prompts = [torch.from_numpy(rng.integers(3, config.vocab_size, FIT_CONTEXT))
                        for _ in range(most)]
             for i in range(most):
@@ -432,9 +454,7 @@ def _decode_step(torch, runner, tokens):
     positions = [FIT_CONTEXT] * batch
 
     def step():
-        logits = runner.decode(tokens, positions, ids)
-        for j in range(batch):
-            int(torch.argmax(logits[j]))
+        runner.decode(tokens, positions, ids).argmax(-1).tolist()
     return step
 
 
@@ -479,12 +499,17 @@ def toml_string(text: str) -> str:
     return '"' + "".join(out) + '"'
 
 
-def toml_float(v: float) -> str:
-    """Six significant digits, always a TOML float (1e-05, 33.1, 100000.0: never an integer)."""
+def card_number(v: float) -> float:
+    """A card's number: six significant digits, as a float."""
     v = float(v)
     if not math.isfinite(v):
         raise BadArgument(f"a card value must be finite, got {v}")
-    return repr(float(f"{v:.6g}"))
+    return float(f"{v:.6g}")
+
+
+def toml_float(v: float) -> str:
+    """card_number(v), always a TOML float (1e-05, 33.1, 100000.0: never an integer)."""
+    return repr(card_number(v))
 
 
 def card_text(values: dict, comments: dict, header: list[str]) -> str:
@@ -502,6 +527,39 @@ def card_text(values: dict, comments: dict, header: list[str]) -> str:
         else:
             lines.append(f"{key} = {toml_float(v)}")
     return "\n".join(lines) + "\n"
+
+
+def card_json(values: dict) -> str:
+    """The card as JSON (a CARD.json), its numbers as card_text writes them; JSON has no
+    comments, so its `source` alone says where each figure comes from."""
+    import json
+
+    def value(v):
+        if isinstance(v, str):
+            return v
+        if isinstance(v, dict):
+            return {str(k): card_number(x) for k, x in v.items()}
+        return card_number(v)
+    return json.dumps({k: value(v) for k, v in values.items()}, indent=1,
+                      ensure_ascii=False) + "\n"
+
+
+def check_card(path: str, text: str) -> None:
+    """DeviceError unless simulate accepts the card `text` about to be written at `path`: a
+    figure measured outside the range a card may hold (allocator/serving/datafile.py) is a
+    measurement gone wrong, and writing it would only move the refusal to simulate."""
+    import json
+
+    from odma_hw import tomlread
+
+    from allocator.serving.presets import card_fields, card_is_json
+
+    data = json.loads(text) if card_is_json(path) else tomlread.loads(text)
+    try:
+        card_fields(path, data)
+    except BadArgument as exc:
+        raise DeviceError(f"calibrate measured what no card may hold, so wrote nothing: {exc}") \
+            from None
 
 
 def probe_document(dev: dict, bw: dict, run_sizes) -> dict:
@@ -530,7 +588,7 @@ def probe_document(dev: dict, bw: dict, run_sizes) -> dict:
 def check(args) -> dict:
     """Every refusal before anything is measured or written: (paths, device, dtype, model
     shape)."""
-    from allocator.serving.models import DTYPES, load_config
+    from allocator.serving.models import DTYPES, check_memory, load_config
     from allocator.serving.presets import model_spec
 
     if args.name is not None and (not args.name.strip() or
@@ -547,13 +605,19 @@ def check(args) -> dict:
     spec = model_spec(args.model)
     dev = open_torch_device(args.device)
     dtype = engine_dtype(dev["device"].type, args.dtype)
+    # the largest product's measurement, before any of its weights exists (the model's own
+    # weights are never built: the products are timed one at a time)
+    rows = max(args.prefill_tokens, *FULL.decode_rows)
+    check_memory({f"{args.model}'s largest matmul measurement":
+                  matmul_bytes(spec.decode_products, rows, DTYPES[dtype])},
+                 dev["free_bytes"], dev["spec"])
     return {"card": card, "probe": probe, "device": dev, "dtype": dtype,
             "products": spec.decode_products, "layers": spec.layers}
 
 
 def calibrate(args, progress=None) -> dict:
     """Measure, fit, write the probe file and the card; the result object (SCHEMA)."""
-    from allocator.serving.presets import model_spec
+    from allocator.serving.presets import card_is_json, model_spec
     from allocator.serving.timing import MeasuredTiming
     from allocator.trace import write_file
 
@@ -678,15 +742,18 @@ def calibrate(args, progress=None) -> dict:
     }
     header = [f"device card of {dev['spec']}, written by odma-hw calibrate on {when}",
               f"engine dtype {dtype}; `odma-hw simulate --device THIS_FILE` reads it"]
-    text = card_text(values, comments, header)
+    text = card_json(values) if card_is_json(p["card"]) else card_text(values, comments, header)
+    check_card(p["card"], text)
     doc = probe_document(dev, bw, effort.run_sizes)
     from odma_hw import jsonout
 
     # the probe file first: a card never names a file that is not there yet
-    # each written whole, then renamed into place: a failure leaves the old files as they were
+    # each written whole, then renamed into place: a failure leaves the old files as they were;
+    # a link at either path is replaced, not followed, so the card's probe:NAME (relative to
+    # the card's folder) names the probe file written beside it
     probe_text = jsonout.dumps(doc, indent=1) + "\n"
-    write_file(p["probe"], lambda f: f.write(probe_text), "probe file")
-    write_file(p["card"], lambda f: f.write(text), "card")
+    write_file(p["probe"], lambda f: f.write(probe_text), "probe file", replace_links=True)
+    write_file(p["card"], lambda f: f.write(text), "card", replace_links=True)
     return {
         "schema": SCHEMA, "card": p["card"], "probe": p["probe"], "device": dev["spec"],
         "device_name": dev["name"], "dtype": dtype, "quick": bool(args.quick),
@@ -807,8 +874,9 @@ def register(subparsers) -> None:
                    help="the torch device the engine runs on (default torch:cpu; torch:cuda:0, "
                         "torch:mlu:0)")
     p.add_argument("--out", required=True, metavar="CARD.toml",
-                   help="the card to write; its probe file goes beside it (CARD.probe.json). "
-                        "Checked before anything is measured")
+                   help="the card to write, TOML (CARD.toml) or JSON (CARD.json); its probe "
+                        "file goes beside it (CARD.probe.json), and a link at either is "
+                        "replaced, not followed. Checked before anything is measured")
     p.add_argument("--name", default=None,
                    help="the card's name (default calibrated-<device>, e.g. "
                         "calibrated-torch-cpu)")

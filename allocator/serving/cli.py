@@ -7,6 +7,7 @@ rates prints one row per rate and policy.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import sys
 
@@ -19,8 +20,9 @@ from odma_hw.errors import BadArgument, OdmaError, RunFailed
 from allocator.config import AllocatorConfig
 from allocator.policies import POLICIES
 from allocator.replay import add_policy_arguments
-from allocator.serving.engine import (PAGED_LAYOUTS, SCHEDULES, PrefixSettings, ServingSetup,
-                                     check_policy, fit_lengths, progress_printer, run_policy)
+from allocator.serving.engine import (MAX_TIER_BYTES, PAGED_LAYOUTS, SCHEDULES, PrefixSettings,
+                                     ServingSetup, check_policy, fit_lengths, progress_printer,
+                                     run_policy)
 from allocator.serving.models import shipped_configs
 from allocator.serving.presets import (DTYPE_BYTES, MODEL_ALIASES, MODELS, accelerator,
                                       card_names, model_spec)
@@ -51,6 +53,16 @@ def demand_bound(text: str):
     return None if text.strip().lower() == "none" else argtypes.nonnegative_float(text)
 
 
+def swap_space(text: str) -> float:
+    """--swap-space: GB >= 0 whose bytes a byte count holds (the simulator and the engine both
+    take int(GB x 1e9): 1e300 GB would overflow it only once a model is built)."""
+    gb = argtypes.nonnegative_float(text)
+    if gb * 1e9 > MAX_TIER_BYTES:
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_TIER_BYTES / 1e9:.3g} GB, not "
+                                         f"{text!r}")
+    return gb
+
+
 def parse_policies(text: str, extra: tuple = ()) -> list[str]:
     """A comma-separated list of policies (and of the `extra` names a command adds)."""
     known = [*POLICIES, *extra]
@@ -61,6 +73,35 @@ def parse_policies(text: str, extra: tuple = ()) -> list[str]:
                           f"separated list of {', '.join(known)}")
     return list(dict.fromkeys(names))
 
+
+
+# options that change only some policies' runs -> those policies: a demand bound is elastic's
+# admission plan; co-batching picks requests by bucket tag, and static puts every request in one
+# bucket, so its runs keep arrival order
+OPTION_POLICIES = {"--demand-bound": ("elastic",),
+                   "--cobatch": tuple(p for p in POLICIES if p != "static")}
+
+
+def check_options_used(policies, demand_bound=0.0, cobatch: int = 0) -> None:
+    """BadArgument for an option of OPTION_POLICIES set (off its default) that changes none of
+    `policies`' runs: their results would be the ones without it."""
+    given = [option for option, on in (("--demand-bound", demand_bound != 0.0),
+                                       ("--cobatch", cobatch)) if on]
+    for option in given:
+        users = OPTION_POLICIES[option]
+        if not set(users) & set(policies):
+            raise BadArgument(f"{option} changes only {', '.join(users)} runs: --policy "
+                              f"{','.join(policies)} would run as without it (drop it, or add "
+                              f"one of those policies)")
+
+
+def clip_note(dropped: int, cut: int, served: int, max_model_len: int) -> str | None:
+    """The line saying what --clip changed of the workload (None: nothing), so that a table of
+    19,365 requests does not pass for the 19,366-request trace it was asked to serve."""
+    if not (dropped or cut):
+        return None
+    return (f"--clip: {dropped} of {served + dropped} requests dropped (prompt alone >= max "
+            f"model len {max_model_len}), {cut} generations cut at that length")
 
 
 def add_scheduling_arguments(p) -> None:
@@ -79,7 +120,7 @@ def add_scheduling_arguments(p) -> None:
                         "and tokens run through prefill again, vLLM's default) or swap (copied "
                         "to host memory while --swap-space has room and back when it is "
                         "readmitted, as vLLM v0's preemption_mode=swap)")
-    p.add_argument("--swap-space", type=argtypes.nonnegative_float, default=4.0, metavar="GB",
+    p.add_argument("--swap-space", type=swap_space, default=4.0, metavar="GB",
                    help="host memory for swapped KV, per card (default 4, vLLM's)")
     p.add_argument("--demand-bound", type=demand_bound, default=0.0, metavar="B|none",
                    help="elastic's admission plans for each admitted request's predicted "
@@ -119,6 +160,8 @@ def simulate(trace, policies=("odma", "static", "paged"), rates=(None,), *,
     for p in policies:
         if p not in POLICIES:
             raise BadArgument(f"unknown policy {p!r}: expected one of {', '.join(POLICIES)}")
+    check_options_used(policies, (config or AllocatorConfig()).demand_bound,
+                       setup_args.get("cobatch", 0))
     if prefix is not None and prefix.schedule != "fcfs" and setup_args.get("cobatch"):
         raise BadArgument(f"--cobatch takes requests in arrival order: it does not combine "
                           f"with --prefix-schedule {prefix.schedule}")
@@ -191,13 +234,10 @@ def format_table(results: list[dict]) -> str:
         f"{r['kv_pool_gb_per_card']:.2f} GB/card ({r['kv_pool_tokens']} tokens); max model len "
         f"{st['max_model_len']}; timing {t['source']} (seq {t['seq_gbps']:.0f} GB/s, 16 KiB "
         f"runs {t['run_gbps']['16384']:.0f} GB/s)")
-    # --clip changes the workload: say by how much, or a table of 19,365 requests passes for
-    # the 19,366-request trace it was asked to serve
-    dropped, cut = r["dropped_over_length"], r["truncated_over_length"]
-    if dropped or cut:
-        lines.append(
-            f"--clip: {dropped} of {r['requests'] + dropped} requests dropped (prompt alone "
-            f">= max model len {st['max_model_len']}), {cut} generations cut at that length")
+    note = clip_note(r["dropped_over_length"], r["truncated_over_length"], r["requests"],
+                     st["max_model_len"])
+    if note:
+        lines.append(note)
     lines.append("util = KV used / KV reserved over completed requests; KV share = share of "
                  "decode step time spent reading KV; TPOT = time per output token")
     for r in results:
@@ -299,6 +339,14 @@ def _show(args, results: list[dict], failed: list[dict]) -> None:
         print(format_table(results))
 
 
+def kv_head(model: str) -> tuple[str, int]:
+    """(name, head_dim) of what --model names, read as simulate reads it (presets.model_spec;
+    a config's head size by models.check_config's rule): `odma-hw probe --model` asks for it
+    through the command registry (odma_hw/commands.py) to size the model's KV pages."""
+    m = model_spec(model)
+    return m.name, m.head_dim
+
+
 def list_doc() -> dict:
     """What --list shows: the models --model takes by name and the preset cards."""
     models = []
@@ -388,6 +436,9 @@ def sweep_checks() -> list[ValueCheck]:
         make_timing(a.timing or dev.timing, dev.bandwidth_gbps, emu, check_only=True)
 
     return [ValueCheck("policy", ("policy",), lambda a: parse_policies(a.policy)),
+            ValueCheck("policy", ("policy", "demand_bound", "cobatch"),
+                       lambda a: check_options_used(parse_policies(a.policy), a.demand_bound,
+                                                    a.cobatch)),
             ValueCheck("trace", ("trace",), given),
             trace_check(),
             ValueCheck("max-model-len", ("trace", "requests", "max_model_len", "model", "clip"),

@@ -237,10 +237,18 @@ def kv_pool_bytes(setup: ServingSetup, prefix: PrefixSettings | None = None) -> 
 
 
 def check_policy(setup: ServingSetup, policy: str, prefix: PrefixSettings | None = None) -> None:
-    """Make (and close) the allocator a run of `policy` starts with: a pool too small for its
-    pages, buckets or one request is refused before any work."""
-    make_allocator(policy, None, kv_pool_bytes(setup, prefix), setup.kv_bytes_per_token,
-                   setup.max_model_len, setup.config, page_tokens=setup.page_tokens).close()
+    """check_pool() of the pool a simulated run of `policy` starts with."""
+    check_pool(policy, kv_pool_bytes(setup, prefix), setup.kv_bytes_per_token,
+               setup.max_model_len, setup.config, setup.page_tokens)
+
+
+def check_pool(policy: str, pool_bytes: int, bytes_per_token: int, max_model_len: int,
+               config: AllocatorConfig, page_tokens: int) -> None:
+    """Make (and close) the allocator a run of `policy` starts with, keeping no bytes: a pool
+    too small for its pages (rounded to whole pages), buckets or one request is refused before
+    any work, by the simulation and the engine alike."""
+    make_allocator(policy, None, pool_bytes, bytes_per_token, max_model_len, config,
+                   page_tokens=page_tokens).close()
 
 
 class Simulation:

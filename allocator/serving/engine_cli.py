@@ -1,6 +1,7 @@
 """`odma-hw engine`: the command line of the real engine (allocator/serving/torch_engine.py).
-Everything it can refuse, it refuses before any weights are built; torch and transformers are
-imported only when an engine runs, so the rest of the tool works without them."""
+Everything it can refuse, it refuses before any weights are built (what needs the weights'
+values, as they load); torch and transformers are imported only when an engine runs, so the rest
+of the tool works without them."""
 
 from __future__ import annotations
 
@@ -9,9 +10,12 @@ import os
 
 import numpy as np
 
-from odma_hw.errors import BadArgument, DeviceUnavailable
+from odma_hw.errors import BadArgument, DeviceUnavailable, OdmaError, RunFailed
 
-from allocator.serving.models import DTYPES, kv_bytes_per_token, load_config, shipped_configs
+from allocator.serving.cli import clip_note
+from allocator.serving.models import (DTYPES, check_attention_window, check_memory,
+                                      check_weights, config_path, kv_bytes_per_token, load_config,
+                                      shipped_configs)
 
 SCHEMA = "odma-hw.engine/1"
 ROW_KEYS = ("policy",)                  # what tells apart the rows of one run
@@ -19,11 +23,17 @@ ROW_KEYS = ("policy",)                  # what tells apart the rows of one run
 
 def prepare(args):
     """Every check before the weights are built: (config, weights, trace lengths, arrivals,
-    KV pool bytes, max model length)."""
+    KV pool bytes, max model length, ...): the config and the weights' headers, the options
+    against the policies that use them, the trace against the model, every policy's pool, and
+    what the model and the pool take against the device's free memory."""
     import types
 
-    from allocator.serving.cli import parse_policies
-    from allocator.serving.engine import fit_lengths
+    from allocator.config import AllocatorConfig
+    from allocator.serving.cli import check_options_used, parse_policies
+    from allocator.serving.engine import check_pool, fit_lengths
+    from allocator.serving.presets import accelerator, model_from_config
+    from allocator.serving.run_attention import attention_backend
+    from allocator.serving.torch_engine import use_graphs
     from allocator.serving.scheduler import check_scheduling
     from allocator.pool import resolve_device
     from allocator.trace import arrival_seconds, load_trace
@@ -36,7 +46,11 @@ def prepare(args):
     if "hf" in policies and ours:
         raise BadArgument(f"--policy hf runs transformers' own scheduler: {ours[0]} is odma-hw's "
                           f"(run hf apart)")
-    config, weights = load_config(args.model)
+    check_options_used(policies, args.demand_bound, args.cobatch)
+    if args.card:
+        accelerator(args.card, "--card")     # a card that is not there is refused, used or not
+    config, folder = load_config(args.model)
+    weights = check_weights(folder) if folder else []
     trace = load_trace(args.trace)
     if args.requests is not None:
         trace = trace.head(args.requests)
@@ -47,6 +61,7 @@ def prepare(args):
     limit = types.SimpleNamespace(name=args.model, max_context=config.max_position_embeddings)
     prompt, gen, keep, cap, dropped, truncated = fit_lengths(trace, args.max_model_len, limit,
                                                              args.clip)
+    check_attention_window(config, cap, args.model)
     # a closed loop without a rate sends as fast as places free, as vllm bench serve does
     arrivals = (np.zeros(len(keep)) if args.concurrency and args.rate is None
                 else arrival_seconds(trace, args.rate, 1.0, args.seed)[keep])
@@ -57,12 +72,16 @@ def prepare(args):
             raise BadArgument(f"the engine runs on a torch device (torch:cpu, torch:cuda:0, ...), "
                               f"not {args.device}")
         device = str(dev.dev)
+        free = dev.info.free_bytes
     finally:
         if owned:
             dev.close()
+    backend = attention_backend(device, None if args.attention == "auto" else args.attention)
+    use_graphs(args.cuda_graphs, device, backend)
     bpt = kv_bytes_per_token(config, args.dtype)
     pool = int(args.kv_pool_mb * 1e6)
-    if pool < cap * bpt:
+    pooled = [policy for policy in policies if policy != "hf"]    # hf sizes its own cache
+    if pooled and pool < cap * bpt:
         raise BadArgument(f"--kv-pool-mb {args.kv_pool_mb:g} holds {pool // bpt} tokens of KV, "
                           f"less than one {cap}-token request ({bpt} B per token)")
     knee = args.extent_knee_tokens
@@ -70,9 +89,21 @@ def prepare(args):
         # a (layer, K/V, head) run holds head_dim elements per token
         unit = bpt // (2 * config.num_hidden_layers * config.num_key_value_heads)
         knee = card_knee(args.card, unit, cap)
-    return dict(policies=policies, config=config, weights=weights, prompt=prompt, gen=gen,
-                arrivals=arrivals, pool=pool, max_model_len=cap, device=device,
-                dropped=dropped, truncated=truncated, trace=trace.name, bpt=bpt, knee=knee)
+    alloc_config = AllocatorConfig(background_refresh=False, extent_knee_tokens=knee,
+                                   demand_bound=args.demand_bound)
+    spec = model_from_config(config_path(args.model)[0])
+    check_memory({"weights": spec.params * DTYPES[args.dtype], "KV pool": pool if pooled else 0,
+                  "weight files read": sum(f.stat().st_size for f in weights)},
+                 free, f"torch:{device}")
+    for policy in pooled:       # its pages, buckets or regions hold one request, or refused now
+        try:
+            check_pool(policy, pool, bpt, cap, alloc_config, args.page_tokens)
+        except BadArgument as exc:
+            raise BadArgument(f"--kv-pool-mb {args.kv_pool_mb:g} for {policy}: {exc}") from None
+    return dict(policies=policies, config=config, weights=folder if weights else None,
+                prompt=prompt, gen=gen, arrivals=arrivals, pool=pool, max_model_len=cap,
+                device=device, dropped=dropped, truncated=truncated, trace=trace.name, bpt=bpt,
+                knee=knee, attention=backend, alloc_config=alloc_config)
 
 
 def card_knee(card: str, run_unit_bytes: int, max_tokens: int) -> int:
@@ -89,11 +120,12 @@ def card_knee(card: str, run_unit_bytes: int, max_tokens: int) -> int:
     return knee_tokens(timing, run_unit_bytes, AllocatorConfig.extent_knee_fraction, max_tokens)
 
 
-def compute(args, results: list | None = None) -> dict:
+def compute(args, results: list | None = None, failed: list | None = None) -> dict:
     """The JSON object of `odma-hw engine` (results appended to `results` as they finish, so
-    that a caller keeps them when a later policy is interrupted)."""
+    that a caller keeps them when a later policy is interrupted). `failed`: where given, a
+    policy whose run fails after the checks is recorded there as {"policy", "error"} and the
+    others go on (as simulate's runs); else it raises."""
     p = prepare(args)
-    from allocator.config import AllocatorConfig
     from allocator.serving.hf_reference import run_hf
     from allocator.serving.torch_engine import (build_model, check_tokens, prompt_ids, serve,
                                                 summarise)
@@ -113,32 +145,50 @@ def compute(args, results: list | None = None) -> dict:
                 "dropped_over_length": p["dropped"], "truncated_over_length": p["truncated"],
                 "weights": "loaded" if p["weights"] else "random (seeded)"}
     out = [] if results is None else results
-    # untimed: torch's one-time start-up (thread pools, first kernels) must not land on the
-    # first policy measured
-    serve(model, prompts[:2], [2, 2], [0.0, 0.0], "static", pool_bytes=p["pool"],
-          max_model_len=p["max_model_len"])
+    pooled = [policy for policy in p["policies"] if policy != "hf"]
+    if pooled:
+        # untimed: torch's one-time start-up (thread pools, first kernels) must not land on the
+        # first policy measured; with a policy whose pool prepare() checked, each request
+        # within the max model length
+        warm = prompts[:2]
+        serve(model, warm, [max(1, min(2, p["max_model_len"] - q.numel())) for q in warm],
+              [0.0] * len(warm), pooled[0], pool_bytes=p["pool"], max_model_len=p["max_model_len"],
+              page_tokens=args.page_tokens, config=p["alloc_config"], attention=p["attention"],
+              cuda_graphs="off")
     for policy in p["policies"]:
         show = progress(policy) if not args.json or os.isatty(2) else None
-        if policy == "hf":
-            run = run_hf(model, prompts, p["gen"], p["arrivals"], max_batch=args.max_batch,
-                         max_batched_tokens=args.max_num_batched_tokens,
-                         concurrency=args.concurrency, progress=show)
-        else:
-            run = serve(model, prompts, p["gen"], p["arrivals"], policy, pool_bytes=p["pool"],
-                        max_model_len=p["max_model_len"], max_batch=args.max_batch,
-                        page_tokens=args.page_tokens, predictor=args.predictor,
-                        max_batched_tokens=args.max_num_batched_tokens,
-                        concurrency=args.concurrency, preemption=args.preemption,
-                        swap_bytes=int(args.swap_space * 1e9), cobatch=args.cobatch,
-                        seed=args.seed, progress=show,
-                        keep_logits=args.check, config=AllocatorConfig(
-                            background_refresh=False, extent_knee_tokens=p["knee"],
-                            demand_bound=args.demand_bound))
+        try:
+            if policy == "hf":
+                run = run_hf(model, prompts, p["gen"], p["arrivals"], max_batch=args.max_batch,
+                             max_batched_tokens=args.max_num_batched_tokens,
+                             concurrency=args.concurrency, progress=show,
+                         cuda_graphs={"auto": None, "on": True, "off": False}[args.cuda_graphs])
+            else:
+                run = serve(model, prompts, p["gen"], p["arrivals"], policy,
+                            pool_bytes=p["pool"], max_model_len=p["max_model_len"],
+                            max_batch=args.max_batch, page_tokens=args.page_tokens,
+                            predictor=args.predictor,
+                            max_batched_tokens=args.max_num_batched_tokens,
+                            concurrency=args.concurrency, preemption=args.preemption,
+                            swap_bytes=int(args.swap_space * 1e9), cobatch=args.cobatch,
+                            seed=args.seed, progress=show, attention=p["attention"],
+                            cuda_graphs=args.cuda_graphs, keep_logits=args.check,
+                            config=p["alloc_config"])
+        except (OdmaError, RuntimeError, MemoryError) as exc:
+            if failed is None:
+                raise
+            failed.append({"policy": policy, "error": " ".join(str(exc).split())})
+            continue
         r = summarise(policy, run, settings)
+        r["attention"] = run.get("attention")         # hf: transformers' own
+        r["cuda_graphs"] = run.get("cuda_graphs")
+        # the KV the run kept its cache in: hf sizes its own, whatever --kv-pool-mb says
+        r["kv_cache_mb"] = (run["allocator"]["cache_bytes"] / 1e6 if policy == "hf"
+                            else p["pool"] / 1e6)
         if args.check:
             r.update(check_tokens(model, prompts, run["tokens"], run["top_logits"]))
         out.append(r)
-    return {"schema": SCHEMA, "results": out}
+    return {"schema": SCHEMA, "results": out, "failed": [] if failed is None else failed}
 
 
 def progress(policy: str, stream=None):
@@ -166,7 +216,9 @@ def format_table(results: list[dict]) -> str:
                      "-" if r["mean_batch"] is None else f"{r['mean_batch']:.1f}",
                      str(r["preemptions"]), str(r["migrations"]),
                      "-" if r["mismatches"] is None else
-                     f"{r['mismatches']} ({r['near_ties']} near ties)"])
+                     f"{r['mismatches']} ({r['near_ties']} near ties"
+                     + (f", {r['non_finite']} non-finite" if r.get("non_finite") else "")
+                     + ")"])
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows]
     lines.insert(1, "-" * len(lines[0]))
@@ -174,22 +226,44 @@ def format_table(results: list[dict]) -> str:
     lines.append(f"{s['trace']}: {results[0]['requests']} requests; {s['model']} {s['dtype']} "
                  f"({s['weights']} weights) on {s['device']}; KV pool {s['kv_pool_mb']:g} MB; "
                  f"max model len {s['max_model_len']}")
+    note = clip_note(s["dropped_over_length"], s["truncated_over_length"],
+                     results[0]["requests"], s["max_model_len"])
+    if note:
+        lines.append(note)
+    for r in results:
+        if r["policy"] == "hf":
+            lines.append(f"hf: transformers' own KV cache of {r['kv_cache_mb']:.3g} MB, sized "
+                         f"for the {s['max_batch']} longest requests (not the KV pool)")
     return "\n".join(lines)
 
 
-def _cmd(args) -> int:
+def _show(args, results: list, failed: list) -> None:
     from odma_hw import jsonout
 
+    if args.json:
+        print(jsonout.dumps({"schema": SCHEMA, "results": results, "failed": failed}, indent=1))
+    elif results:
+        print(format_table(results))
+
+
+def _cmd(args) -> int:
     results: list = []
+    failed: list = []
     try:
-        compute(args, results)
+        compute(args, results, failed)
     except KeyboardInterrupt:
-        if results:
-            print(jsonout.dumps({"schema": SCHEMA, "results": results}, indent=1) if args.json
-                  else format_table(results))
+        if results:                  # the runs that finished are kept, as simulate keeps them
+            _show(args, results, failed)
         raise
-    print(jsonout.dumps({"schema": SCHEMA, "results": results}, indent=1) if args.json
-          else format_table(results))
+    _show(args, results, failed)
+    problems = [f"{f['policy']}: {f['error']}" for f in failed]
+    problems += [f"{r['policy']}: --check found {r['mismatches']} of {r['completed']} requests "
+                 f"mismatching" + (f" ({r['non_finite']} with non-finite logits)"
+                                   if r.get("non_finite") else "")
+                 for r in results if r.get("mismatches")]
+    if problems:
+        raise RunFailed(f"{len(problems)} of {len(results) + len(failed)} policies failed or "
+                        f"mismatched (all results are printed): {'; '.join(problems)}")
     return 0
 
 
@@ -249,5 +323,13 @@ def register(subparsers) -> None:
                    help="seeds the weights, the prompts and the arrivals (default 0)")
     p.add_argument("--check", action="store_true",
                    help="compare every token and its logits with transformers' forward")
+    p.add_argument("--attention", default="auto", choices=("auto", "triton", "torch"),
+                   help="the run-table attention kernels: triton (GPU kernels, needs the "
+                        "'kernels' extra), torch (batched torch ops, the CPU's) or auto "
+                        "(triton on a CUDA device where it imports; default auto)")
+    p.add_argument("--cuda-graphs", default="auto", choices=("auto", "on", "off"),
+                   help="replay decode steps from CUDA graphs captured per padded batch size "
+                        "(auto: on a CUDA device with the triton kernels; off to compare); for "
+                        "--policy hf, transformers' own CUDA graphs (auto: its choice)")
     p.add_argument("--json", action="store_true", help=f"print one JSON object ({SCHEMA})")
     p.set_defaults(func=_cmd)

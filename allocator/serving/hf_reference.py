@@ -99,12 +99,13 @@ class _Counts:
 
 def run_hf(model, prompts: list, gen: list, arrivals, *, max_batch: int,
            max_batched_tokens: int | None = None, concurrency: int | None = None,
-           progress=None) -> dict:
+           cuda_graphs: bool | None = None, progress=None) -> dict:
     """Serve the requests (prompt token ids, tokens to make, arrival seconds from the start) with
     transformers' continuous batching on the model's device, at most max_batched_tokens tokens
     per forward pass (default: serve()'s prefill budget) and, closed loop, at most `concurrency`
-    requests in flight; the dict torch_engine.serve() returns (see the module docstring for what
-    its counts mean here)."""
+    requests in flight; its CUDA graphs on or off (None: transformers' own choice, off with an
+    attention that needs a mask, as sdpa does); the dict torch_engine.serve() returns (see the
+    module docstring for what its counts mean here)."""
     CBConfig, GenerationConfig = _transformers()
     import torch
 
@@ -135,7 +136,8 @@ def run_hf(model, prompts: list, gen: list, arrivals, *, max_batch: int,
     batch_tokens = max_batched_tokens or batch_tokens
     cb_config = CBConfig(page_size=page, num_blocks=blocks, max_batch_tokens=batch_tokens,
                          max_requests_per_batch=int(max_batch), allow_block_sharing=False,
-                         safety_margin=0.0, auto_switch_to_flash=False)
+                         safety_margin=0.0, auto_switch_to_flash=False,
+                         use_cuda_graph=cuda_graphs)
     gen_config = GenerationConfig(do_sample=False, eos_token_id=NO_EOS)
 
     t0 = time.perf_counter()
@@ -177,6 +179,7 @@ def run_hf(model, prompts: list, gen: list, arrivals, *, max_batch: int,
 
     run.update({
         "startup_seconds": startup,
+        "cuda_graphs": cb_config.use_cuda_graph,      # as transformers settled it
         "top_logits": None,
         "steps": counts.steps if counts else None,
         "batch_sum": counts.batch_sum if counts else None,

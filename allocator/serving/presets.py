@@ -16,6 +16,10 @@ import pathlib
 
 from odma_hw.errors import BadArgument
 
+from allocator.serving import datafile
+from allocator.serving.datafile import (BANDWIDTH_GBPS, CAPACITY_GB, FRACTION, MICROSECONDS,
+                                        TFLOPS, Range)
+
 DTYPE_BYTES = {"bf16": 2, "int8": 1, "fp32": 4}
 
 
@@ -139,53 +143,26 @@ def model_spec(name: str) -> ModelSpec:
                       f" or one of {', '.join(list(MODELS) + list(MODEL_ALIASES))}")
 
 
-# a mixture of experts reads only its routed experts per token: the dense streaming model above
-# would overstate its weights per step, so such configs are refused rather than misjudged
-MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
-
-
 def model_from_config(path) -> ModelSpec:
     """The ModelSpec of a decoder-only Hugging Face config.json (Llama, Qwen2, Mistral and the
-    like: grouped-query attention and a gated MLP). BadArgument naming the file and the key for
-    a missing or bad field, or a mixture of experts."""
-    import json
-    import math
+    like: grouped-query attention and a gated MLP), read and checked as the engine reads it
+    (models.read_config): BadArgument naming the file and the key for a missing or bad field,
+    or a mixture of experts. A sliding window is accepted and ignored: the simulation sizes
+    every request's KV whole, as the engine keeps it."""
     import os
 
-    try:
-        with open(path) as f:
-            c = json.load(f)
-    except (OSError, ValueError) as exc:
-        raise BadArgument(f"cannot read model config {path}: "
-                          f"{getattr(exc, 'strerror', None) or exc}") from None
-    if not isinstance(c, dict):
-        raise BadArgument(f"{path} is not a config.json (a JSON object)")
-    moe = [k for k in MOE_KEYS if c.get(k)]
-    if moe:
-        raise BadArgument(f"{path}: a mixture of experts ({moe[0]}) is not supported: the "
-                          f"simulation streams every weight each step")
+    from allocator.serving.models import read_config
 
-    def field(key, default=None):
-        v = c.get(key, default)
-        if v is None:
-            raise BadArgument(f"{path}: missing {key!r}")
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
-                or v <= 0 or v != int(v):
-            raise BadArgument(f"{path}: {key!r} must be a positive integer, got {v!r}")
-        return int(v)
-
-    heads = field("num_attention_heads")
-    hidden = field("hidden_size")
-    head_dim = field("head_dim", c.get("head_dim") or hidden // heads)
+    c, n = read_config(path)
     stem = os.path.splitext(os.path.basename(path))[0]
     folder = os.path.basename(os.path.dirname(os.path.abspath(path)))
+    name = c.get("_name_or_path")
     return ModelSpec(
-        name=c.get("_name_or_path") or (folder if stem == "config" else stem),
-        layers=field("num_hidden_layers"), hidden=hidden, heads=heads,
-        kv_heads=field("num_key_value_heads", heads), head_dim=head_dim,
-        ffn=field("intermediate_size"), vocab=field("vocab_size"),
-        tied_embeddings=bool(c.get("tie_word_embeddings", False)),
-        max_context=field("max_position_embeddings"),
+        name=name if isinstance(name, str) and name else (folder if stem == "config" else stem),
+        layers=n["num_hidden_layers"], hidden=n["hidden_size"], heads=n["num_attention_heads"],
+        kv_heads=n["num_key_value_heads"], head_dim=n["head_dim"], ffn=n["intermediate_size"],
+        vocab=n["vocab_size"], tied_embeddings=bool(c.get("tie_word_embeddings", False)),
+        max_context=n["max_position_embeddings"],
         qkv_bias=bool(c.get("attention_bias", c.get("model_type") == "qwen2")))
 
 
@@ -248,29 +225,26 @@ class Accelerator:
 # the card key giving each weight type's peak compute
 DTYPE_PEAK_KEYS = {"bf16": "tflops_bf16", "int8": "tops_int8", "fp32": "tflops_fp32"}
 
-# key -> (required, what it must be); the order is the order a message lists them in
+# key -> (required, what it must be: text, a count, a matmul table or the Range of a number);
+# the order is the order a message lists them in
 CARD_KEYS = {
     "name": (True, "text"),
-    "bandwidth_gbps": (True, "positive"),
-    "capacity_gb": (True, "positive"),
-    "tflops_bf16": (True, "positive"),
+    "bandwidth_gbps": (True, BANDWIDTH_GBPS),
+    "capacity_gb": (True, CAPACITY_GB),
+    "tflops_bf16": (True, TFLOPS),
     "timing": (True, "text"),
-    "link_gbps": (True, "positive"),
-    "link_latency_us": (True, "nonnegative"),
-    "tops_int8": (False, "positive"),
-    "tflops_fp32": (False, "positive"),
+    "link_gbps": (True, BANDWIDTH_GBPS),
+    "link_latency_us": (True, MICROSECONDS),
+    "tops_int8": (False, TFLOPS),
+    "tflops_fp32": (False, TFLOPS),
     "emu_channels": (False, "count"),
-    "layer_overhead_us": (False, "nonnegative"),
-    "request_overhead_us": (False, "nonnegative"),
-    "layer_request_overhead_us": (False, "nonnegative"),
-    "mfu": (False, "fraction"),
+    "layer_overhead_us": (False, MICROSECONDS),
+    "request_overhead_us": (False, MICROSECONDS),
+    "layer_request_overhead_us": (False, MICROSECONDS),
+    "mfu": (False, FRACTION),
     "matmul_tflops": (False, "table"),
     "source": (False, "text"),
 }
-_KIND_TEXT = {"text": "a non-empty string", "positive": "a positive finite number",
-              "nonnegative": "a finite number >= 0", "count": "a positive integer",
-              "fraction": "a number in (0, 1]",
-              "table": "a table of rows (a positive integer, quoted) = TFLOPS (positive)"}
 
 
 def card_names() -> list[str]:
@@ -279,32 +253,29 @@ def card_names() -> list[str]:
 
 
 def _card_value(path, key: str, v):
-    import math
-
+    where = f"card {path}"
     kind = CARD_KEYS[key][1]
+    if isinstance(kind, Range):
+        return datafile.number(where, key, v, kind)
     if kind == "table":
-        try:
-            table = tuple(sorted((int(r), float(t)) for r, t in v.items()
-                                 if not isinstance(t, bool)))
-            ok = len(table) == len(v) > 0 and all(
-                r >= 1 and math.isfinite(t) and t > 0 for r, t in table)
-        except (AttributeError, TypeError, ValueError):
-            ok = False
-        if not ok:
-            raise BadArgument(f"card {path}: {key!r} must be {_KIND_TEXT[kind]}, got {v!r}")
-        return table
-    if kind == "text":
-        ok = isinstance(v, str) and (bool(v.strip()) or key == "source")
-    elif isinstance(v, bool) or not isinstance(v, (int, float)):
-        ok = False
-    elif kind == "count":
-        ok = isinstance(v, int) and v >= 1
+        rows = datafile.table(where, key, v, datafile.MAX_MATMUL_ROWS, TFLOPS)
+        if len(rows) < 2:
+            # one row's figure would cost every step, a decode of 1 row as a prefill of 256,
+            # at that one throughput: several times off on a CPU, and nothing would say so
+            raise BadArgument(f"{where}: {key!r} needs at least 2 rows to interpolate between "
+                              f"(a prefill and a decode row count), got {datafile.shown(v)}; "
+                              f"for one throughput at every row count, give tflops_* and mfu "
+                              f"instead")
+        return tuple(rows.items())
+    if kind == "count":
+        ok = isinstance(v, int) and not isinstance(v, bool) and v >= 1
+        what = "a positive integer"
     else:
-        ok = math.isfinite(v) and (v >= 0 if kind == "nonnegative" else v > 0) \
-            and (kind != "fraction" or v <= 1)
+        ok = isinstance(v, str) and (bool(v.strip()) or key == "source")
+        what = "a non-empty string"
     if not ok:
-        raise BadArgument(f"card {path}: {key!r} must be {_KIND_TEXT[kind]}, got {v!r}")
-    return float(v) if kind in ("positive", "nonnegative", "fraction") else v
+        raise BadArgument(f"{where}: {key!r} must be {what}, got {datafile.shown(v)}")
+    return v
 
 
 def _card_timing(path, timing: str, channels) -> str:
@@ -343,25 +314,25 @@ def _card_timing(path, timing: str, channels) -> str:
 def load_card(path) -> Accelerator:
     """An Accelerator from a card file: JSON for a .json file, else TOML, with the keys of
     CARD_KEYS. BadArgument in one line naming the file and the key for anything amiss."""
-    import json
     import os
 
-    from odma_hw import tomlread
-
     path = os.fspath(path)
-    try:
-        with open(path, "rb") as f:
-            raw = f.read()
-    except OSError as exc:
-        raise BadArgument(f"cannot read card {path}: {exc.strerror or exc}") from None
-    is_json = path.lower().endswith(".json")
-    try:
-        text = raw.decode("utf-8")
-        data = json.loads(text) if is_json else tomlread.loads(text)
-    except (UnicodeDecodeError, ValueError) as exc:    # TOMLDecodeError is a ValueError
-        what = "JSON" if is_json else "TOML"
-        raise BadArgument(f"card {path} is not valid {what}: "
-                          f"{' '.join(str(exc).split())}") from None
+    data = datafile.load_document(path, "card", as_json=card_is_json(path))
+    fields = card_fields(path, data)
+    fields["timing"] = _card_timing(path, fields["timing"], fields.get("emu_channels"))
+    return Accelerator(**fields, path=os.path.abspath(path))
+
+
+def card_is_json(path) -> bool:
+    """Whether the card file `path` is JSON (a .json file, any case) rather than TOML."""
+    import os
+
+    return os.fspath(path).lower().endswith(".json")
+
+
+def card_fields(path, data) -> dict:
+    """The Accelerator fields of a card's parsed document `data`, every key checked, the timing
+    source as written; BadArgument in one line naming the file `path` and the key."""
     if not isinstance(data, dict):
         raise BadArgument(f"card {path}: the top level must be a table of keys")
     unknown = [k for k in data if k not in CARD_KEYS]
@@ -371,9 +342,7 @@ def load_card(path) -> Accelerator:
     missing = [k for k, (required, _) in CARD_KEYS.items() if required and k not in data]
     if missing:
         raise BadArgument(f"card {path}: missing key {missing[0]!r}")
-    fields = {k: _card_value(path, k, v) for k, v in data.items()}
-    fields["timing"] = _card_timing(path, fields["timing"], fields.get("emu_channels"))
-    return Accelerator(**fields, path=os.path.abspath(path))
+    return {k: _card_value(path, k, v) for k, v in data.items()}
 
 
 def accelerator(name_or_path, option: str = "--device") -> Accelerator:

@@ -43,6 +43,8 @@ import numpy as np
 
 from odma_hw.errors import BadArgument
 
+from allocator.serving import datafile
+
 GRID_MIN_LOG2, GRID_MAX_LOG2 = 8, 22         # 256 B .. 4 MiB
 GRID_LOG2 = np.arange(2 * GRID_MIN_LOG2, 2 * GRID_MAX_LOG2 + 1) / 2.0   # half octaves
 REQUEST_BYTES = 64                            # what reaches the controller per request
@@ -297,31 +299,35 @@ class MeasuredTiming(MemoryTiming):
 
 
 def probe_timing(path: str, device: str | None = None) -> MeasuredTiming:
-    """A timing source from `odma-hw probe --json` output (schema odma-hw.probe/1)."""
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except OSError as exc:
-        raise BadArgument(f"cannot read probe JSON {path}: {exc.strerror or exc}") from None
-    except ValueError:
-        raise BadArgument(f"{path} is not JSON (expected `odma-hw probe --json` output)") from None
+    """A timing source from `odma-hw probe --json` output (schema odma-hw.probe/1): the first
+    device entry (or the one named `device`), its rand_gbps (GB/s by run size in bytes),
+    seq_gbps and copy_gbps (optional: the sequential figure where absent). BadArgument in one
+    line naming the file and the key for anything amiss, by the rules cards follow
+    (allocator/serving/datafile.py)."""
+    data = datafile.load_document(path, "probe JSON", as_json=True)
     if not isinstance(data, dict) or data.get("schema") != "odma-hw.probe/1":
+        schema = data.get("schema") if isinstance(data, dict) else None
         raise BadArgument(f"{path} is not an odma-hw.probe/1 document (schema "
-                          f"{data.get('schema') if isinstance(data, dict) else None!r})")
+                          f"{datafile.shown(schema)})")
     entries = data.get("devices") or []
+    if not isinstance(entries, list):
+        raise BadArgument(f"{path}: 'devices' must be a list of device entries")
     if device is not None:
         entries = [e for e in entries if isinstance(e, dict) and e.get("device") == device]
     if not entries or not isinstance(entries[0], dict):
         raise BadArgument(f"{path} has no device{' ' + device if device else ''} entry")
     e = entries[0]
-    try:
-        runs = {int(g): float(v) for g, v in e["rand_gbps"].items()}
-        seq, copy = float(e["seq_gbps"]), float(e.get("copy_gbps") or 0.0)
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
-        raise BadArgument(f"{path}: device entry lacks rand_gbps/seq_gbps ({exc})") from None
-    if not all(map(math.isfinite, list(runs.values()) + [seq])):
-        raise BadArgument(f"{path}: bandwidths must be finite numbers")
-    return MeasuredTiming(f"probe:{e.get('device', '?')}", runs, seq, copy)
+    for key in ("rand_gbps", "seq_gbps"):
+        if key not in e:
+            raise BadArgument(f"{path}: the device entry lacks {key!r}")
+    runs = datafile.table(path, "rand_gbps", e["rand_gbps"], datafile.MAX_RUN_BYTES,
+                          datafile.BANDWIDTH_GBPS)
+    seq = datafile.number(path, "seq_gbps", e["seq_gbps"], datafile.BANDWIDTH_GBPS)
+    copy = e.get("copy_gbps")
+    if copy is not None:
+        copy = datafile.number(path, "copy_gbps", copy, datafile.BANDWIDTH_GBPS)
+    name = e.get("device")
+    return MeasuredTiming(f"probe:{name if isinstance(name, str) else '?'}", runs, seq, copy)
 
 
 class IdealTiming(MemoryTiming):

@@ -9,17 +9,18 @@ engine and `simulate` can differ in time, never in decisions.
   gives logits so flat that greedy decoding repeats one token and ties are everywhere).
 - Prompts: token ids drawn per request from a seeded generator (traces carry lengths, not
   text); greedy decoding of exactly the trace's number of tokens (end-of-sequence ignored).
-- KV: contiguous policies keep a request's KV in its block head-major, [layers, 2 (K, V),
-  kv_heads, capacity, head_dim]: each (layer, K/V, head) is one run of ctx x head_dim, read by
-  attention as a view (no copy). Since a token's place depends on the capacity, a migration is
-  the engine's own copy (the allocator's grow(copy=...)). The paged policy keeps page p of the
-  pool as [layers, 2, kv_heads, page_tokens, head_dim]; attention gathers a request's pages
-  through its block table.
-- Steps: every step is one forward pass (Runner.forward) over what the Scheduler put in it:
-  prefill-first, the prompts admitted together (and, after a preemption, the tokens each had
-  made), or one token of every running request; chunked (max_batched_tokens), one token of
-  every running request and the prompt chunks riding with them. All the step's tokens go
-  through the projections and MLPs as one packed batch; each request attends over its own KV.
+- KV: every policy keeps a request's KV in regions of the pool laid out head-major, [layers,
+  2 (K, V), kv_heads, capacity, head_dim]: a contiguous block is one region, an extent block one
+  per extent, a paged block one per page (allocator/serving/kv_runs.py). Since a token's place
+  depends on the capacity, a migration is the engine's own copy (the allocator's grow(copy=...)).
+- Steps: every step is one batched forward pass (allocator/serving/runner.py) over what the
+  Scheduler put in it: prefill-first, the prompts admitted together (and, after a preemption,
+  the tokens each had made), or one token of every running request; chunked
+  (max_batched_tokens), one token of every running request and the prompt chunks riding with
+  them. All the step's tokens go through the projections and MLPs as one packed batch; each
+  request attends over its own KV through the step's run tables, read by one kernel family
+  for every layout (allocator/serving/run_attention.py); decode steps replay CUDA graphs on a
+  GPU.
 - The check (check=True): transformers' own forward of the model over each request's prompt and
   the tokens the engine made (what generate() runs, one position at a time), compared position
   by position: the chosen token, and the logits at the engine's top LOGIT_CHECK_K tokens. Where
@@ -31,7 +32,6 @@ from __future__ import annotations
 
 import importlib
 import math
-import pathlib
 import time
 
 import numpy as np
@@ -43,7 +43,10 @@ from allocator.errors import OutOfMemory
 from allocator.policies import make_allocator
 from allocator.predictors import make_predictor
 from allocator.serving.engine import RequestState
-from allocator.serving.models import DTYPES, head_dim, kv_bytes_per_token, need
+from allocator.serving.kv_runs import KVPool
+from allocator.serving.models import DTYPES, check_weights, head_dim, kv_bytes_per_token, need
+from allocator.serving import run_attention
+from allocator.serving.runner import Runner, make_graphs
 from allocator.serving.scheduler import Scheduler, check_scheduling
 
 import torch  # noqa: E402  (only `odma-hw engine` imports this module: torch is its to need)
@@ -85,203 +88,32 @@ def _spread(model, seed: int) -> None:
 
 
 def _load_weights(model, folder) -> None:
+    """Load the safetensors files of `folder` (as models.check_weights finds and checks them)
+    into `model`: BadArgument for weights that do not match the config, a tied config whose
+    files give an LM head other than the embedding (one of the two would be dropped without a
+    word), or a tensor that is not finite (every logit would be NaN)."""
     safetensors = need("safetensors.torch", "engine")
     state = {}
-    for f in sorted(pathlib.Path(folder).glob("*.safetensors")):
+    for f in check_weights(folder):
         state.update(safetensors.load_file(str(f)))
+    for key, t in state.items():
+        if not bool(torch.isfinite(t).all()):
+            raise BadArgument(f"the weights in {folder}: tensor {key!r} holds values that are "
+                              f"not finite (NaN or infinity)")
+    embed, head = state.get("model.embed_tokens.weight"), state.get("lm_head.weight")
     if model.config.tie_word_embeddings:
-        state.setdefault("lm_head.weight", state.get("model.embed_tokens.weight"))
+        if head is not None and embed is not None and not torch.equal(head, embed):
+            raise BadArgument(f"the weights in {folder}: the config ties the LM head to the "
+                              f"embedding (tie_word_embeddings), but lm_head.weight differs "
+                              f"from model.embed_tokens.weight")
+        if embed is not None:
+            state.setdefault("lm_head.weight", embed)
     try:
         model.load_state_dict(state, strict=True)
     except RuntimeError as exc:
         first = str(exc).strip().splitlines()
         raise BadArgument(f"the weights in {folder} do not match the config: "
                           f"{' '.join(first[:2])[:300]}") from None
-
-
-class BlockKV:
-    """Each request's K and V of every layer, in its allocator block (see the module docstring
-    for the layouts)."""
-
-    def __init__(self, alloc, config, dtype):
-        self.alloc = alloc
-        self.dtype = dtype
-        self.layers = config.num_hidden_layers
-        self.kv_heads = config.num_key_value_heads
-        self.head_dim = head_dim(config)
-        self.paged = hasattr(alloc, "page_tokens")
-        self.device = alloc.pool_tensor().device
-        self._views: dict = {}           # request -> (its block, the block's KV view)
-        if self.paged:
-            T = alloc.page_tokens
-            used = T * alloc.bytes_per_token
-            pool = alloc.pool_tensor()[:alloc.n_pages * alloc.page_bytes]
-            self.pages = pool.view(alloc.n_pages, alloc.page_bytes)[:, :used].view(dtype).view(
-                alloc.n_pages, self.layers, 2, self.kv_heads, T, self.head_dim)
-
-    def _pieces(self, i, blk=None):
-        """Request i's KV in its live block (or in `blk`), as _views_of gives it. The block is
-        looked up in the allocator every time, so views kept of a released or migrated-away
-        block are never read, only replaced; an extent block's are renewed when it gains an
-        extent."""
-        blk = blk if blk is not None else self.alloc.block(i)
-        extents = getattr(blk, "extents", None)
-        got = self._views.get(i)
-        if got is None or got[0] is not blk or got[1] is not extents:
-            got = self._views[i] = (blk, extents, self._views_of(blk))
-        return got[2]
-
-    def _views_of(self, blk):
-        """[(first token, tokens, view of shape (layers, 2, kv_heads, tokens, head_dim))], one
-        piece per contiguous range of `blk` (a block is one, an extent block one per extent), in
-        token order."""
-        shape = (self.layers, 2, self.kv_heads)
-        extents = getattr(blk, "extents", None)
-        if extents is None:
-            return [(0, blk.capacity_tokens,
-                     blk.tensor(self.dtype, shape + (blk.capacity_tokens, self.head_dim)))]
-        pieces, first = [], 0
-        for k, (_, _, tokens, _) in enumerate(extents):
-            pieces.append((first, tokens,
-                           blk.extent_tensor(k, self.dtype, shape + (tokens, self.head_dim))))
-            first += tokens
-        return pieces
-
-    def write(self, i, layer: int, start: int, k, v) -> None:
-        """Store K and V, each (kv_heads, n, head_dim), at positions [start, start + n)."""
-        n = k.shape[1]
-        if self.paged:
-            T = self.alloc.page_tokens
-            pos = torch.arange(start, start + n)
-            page = torch.tensor(self.alloc.block(i).pages, dtype=torch.int64)[pos // T]
-            slot = pos % T
-            self.pages[page, layer, 0, :, slot] = k.transpose(0, 1)
-            self.pages[page, layer, 1, :, slot] = v.transpose(0, 1)
-            return
-        end = start + n
-        for first, tokens, view in self._pieces(i):
-            lo, hi = max(start, first), min(end, first + tokens)
-            if lo < hi:
-                view[layer, 0, :, lo - first:hi - first] = k[:, lo - start:hi - start]
-                view[layer, 1, :, lo - first:hi - first] = v[:, lo - start:hi - start]
-
-    def read(self, i, layer: int, ctx: int):
-        """(K, V) of positions [0, ctx), each (kv_heads, ctx, head_dim): views of the block;
-        from extents, one run per (extent, K/V, head), joined; paged, gathered from the pages
-        of the block table."""
-        if self.paged:
-            T = self.alloc.page_tokens
-            table = torch.tensor(self.alloc.block(i).pages[:-(-ctx // T)], dtype=torch.int64)
-            kv = self.pages[table, layer]                    # (pages, 2, kv_heads, T, D)
-            kv = kv.permute(1, 2, 0, 3, 4).reshape(2, self.kv_heads, -1, self.head_dim)
-            return kv[0, :, :ctx], kv[1, :, :ctx]
-        parts = [view[layer, :, :, :min(tokens, ctx - first)]
-                 for first, tokens, view in self._pieces(i) if first < ctx]
-        kv = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
-        return kv[0], kv[1]
-
-    def save(self, i, tokens: int) -> list:
-        """A host copy of request i's KV of positions [0, tokens): per layer (2, kv_heads,
-        tokens, head_dim) (a swap-out)."""
-        return [torch.stack(self.read(i, layer, tokens)).to("cpu", copy=True)
-                for layer in range(self.layers)]
-
-    def load(self, i, saved: list) -> None:
-        """Write a host copy save() made back into request i's (new) block (a swap-in)."""
-        for layer, kv in enumerate(saved):
-            kv = kv.to(self.device)
-            self.write(i, layer, 0, kv[0], kv[1])
-
-    def migrate(self, old, new) -> None:
-        """The allocator's copy of a migration (or an extent merge): the first `written` tokens
-        of every run, each to its place in the new block."""
-        n = min(old.written // self.alloc.bytes_per_token, old.capacity_tokens)
-        dst = self._views_of(new)          # not the request's block until the switch
-        for first, tokens, src in self._pieces(old.request_id, old):
-            for to, room, view in dst:
-                lo, hi = max(first, to), min(first + tokens, to + room, n)
-                if lo < hi:
-                    view[:, :, :, lo - to:hi - to] = src[:, :, :, lo - first:hi - first]
-
-
-# ----------------------------------------------------------------------------- forward passes
-class Runner:
-    """The model's forward, with attention over KV in blocks: the model's own modules (norms,
-    projections, rotary embedding, MLP, head) around each request's attention."""
-
-    def __init__(self, model, kv: BlockKV):
-        self.model = model
-        self.inner = model.model
-        self.kv = kv
-        mod = importlib.import_module(type(model).__module__)
-        self.rope = mod.apply_rotary_pos_emb
-        cfg = model.config
-        self.heads = cfg.num_attention_heads
-        self.head_dim = kv.head_dim
-        self.device = next(model.parameters()).device
-
-    def _qkv(self, attn, h, cos, sin):
-        b, n, _ = h.shape
-        D = self.head_dim
-        q = attn.q_proj(h).view(b, n, -1, D).transpose(1, 2)
-        k = attn.k_proj(h).view(b, n, -1, D).transpose(1, 2)
-        v = attn.v_proj(h).view(b, n, -1, D).transpose(1, 2)
-        q, k = self.rope(q, k, cos, sin)
-        return q, k, v
-
-    def _layers(self, x, positions, attend):
-        """The decoder stack over hidden states x (batch, tokens, hidden) at `positions`, each
-        layer's attention by attend(layer, q, k, v) -> (batch, heads, tokens, head_dim); the
-        final norm's output."""
-        cos, sin = self.inner.rotary_emb(x, positions)
-        for layer, block in enumerate(self.inner.layers):
-            attn = block.self_attn
-            q, k, v = self._qkv(attn, block.input_layernorm(x), cos, sin)
-            o = attend(layer, q, k, v)
-            x = x + attn.o_proj(o.transpose(1, 2).reshape(x.shape[0], x.shape[1], -1))
-            x = x + block.mlp(block.post_attention_layernorm(x))
-        return self.inner.norm(x)
-
-    @torch.no_grad()
-    def forward(self, batch):
-        """One step over `batch`: (request i, its next token ids, the position of the first):
-        a decode is one token after its context, a prefill or a prompt chunk several. Every
-        token of the step goes through the projections and MLPs as one packed matrix product
-        (as a serving engine packs a step); each request's tokens store their K and V in its
-        block and attend causally over its KV up to them. The logits of each one's last token,
-        (len(batch), vocab)."""
-        sizes = [ids.numel() for _, ids, _ in batch]
-        ends = np.cumsum(sizes)
-        x = self.inner.embed_tokens(torch.cat([ids for _, ids, _ in batch])[None].to(self.device))
-        pos = torch.cat([torch.arange(start, start + n) for (_, _, start), n in
-                         zip(batch, sizes)])[None].to(self.device)
-        sdpa = torch.nn.functional.scaled_dot_product_attention
-
-        def attend(layer, q, k, v):
-            out = []
-            for (i, _, start), end, n in zip(batch, ends, sizes):
-                part = slice(end - n, end)
-                self.kv.write(i, layer, start, k[0, :, part], v[0, :, part])
-                if start == 0:         # a whole prompt: its own K and V, no read back
-                    K, V, mask, causal = k[:, :, part], v[:, :, part], None, n > 1
-                else:                  # what its block holds, the new tokens included
-                    K, V = (t[None] for t in self.kv.read(i, layer, start + n))
-                    mask, causal = (None if n == 1 else torch.ones(
-                        n, start + n, dtype=torch.bool, device=self.device).tril(start)), False
-                out.append(sdpa(q[:, :, part], K, V, attn_mask=mask, is_causal=causal,
-                                enable_gqa=True))
-            return torch.cat(out, dim=2)
-        return self.model.lm_head(self._layers(x, pos, attend)[0, ends - 1])
-
-    def prefill(self, batch):
-        """Run each (request i, its token ids) of `batch` causally from position 0."""
-        return self.forward([(i, ids, 0) for i, ids in batch])
-
-    def decode(self, ids, positions, requests):
-        """One decode step: token ids[b] of request requests[b] at position positions[b];
-        (batch, vocab) logits."""
-        return self.forward([(i, torch.tensor([t]), p)
-                             for t, p, i in zip(ids, positions, requests)])
 
 
 # ----------------------------------------------------------------------------- serving
@@ -297,16 +129,21 @@ def serve(model, prompts: list, gen: list, arrivals, policy: str, *, pool_bytes:
           predictor: str = "online", seed: int = 0, config: AllocatorConfig | None = None,
           max_batched_tokens: int | None = None, concurrency: int | None = None,
           preemption: str = "recompute", swap_bytes: int = 0, cobatch: int = 0,
+          attention: str = "auto", cuda_graphs: str = "auto",
           progress=None, log: list | None = None, keep_logits: bool = False) -> dict:
     """Serve the requests (prompt token ids, tokens to make, arrival seconds from the start) with
     `policy`, prefill-first or chunked (max_batched_tokens), open or closed loop (concurrency),
     a preempted request recomputed or swapped to host memory (swap_bytes of it), co-batching
-    by bucket tag over a window of `cobatch` waiting requests (0: off); their tokens,
+    by bucket tag over a window of `cobatch` waiting requests (0: off); attention by the
+    run-table kernels of `attention` ("auto", "triton", "torch"), decode steps from CUDA graphs
+    per `cuda_graphs` ("auto": on CUDA with the Triton kernels; "on"; "off"); their tokens,
     times, and the allocator's and scheduler's counts."""
     dev = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
     spec = f"torch:{dev}"
     n = len(prompts)
+    backend = run_attention.attention_backend(dev, None if attention == "auto" else attention)
+    graphs = use_graphs(cuda_graphs, dev, backend)
     reqs = [RequestState(i, int(prompts[i].numel()), int(gen[i]), float(arrivals[i]))
             for i in range(n)]
     bpt = kv_bytes_per_token(model.config, str(dtype).removeprefix("torch."))
@@ -316,19 +153,46 @@ def serve(model, prompts: list, gen: list, arrivals, policy: str, *, pool_bytes:
                            config or AllocatorConfig(background_refresh=False),
                            page_tokens=page_tokens)
     try:
-        kv = BlockKV(alloc, model.config, dtype)
+        kv = KVPool(alloc, model.config, dtype, head_dim(model.config))
         sched = Scheduler(alloc, make_predictor("oracle" if policy == "oracle" else predictor,
                                                 seed=seed), reqs,
                           max_batch=max_batch, max_prefill=max_prefill or max(max_model_len, 2048),
-                          bytes_per_token=bpt, migrate=None if kv.paged else kv.migrate, log=log,
+                          bytes_per_token=bpt,
+                          migrate=None if kv.page_tokens is not None else kv.migrate, log=log,
                           max_batched_tokens=max_batched_tokens, concurrency=concurrency,
                           preemption=preemption, swap_bytes=swap_bytes, cobatch=cobatch)
         host: dict = {}                # swapped requests' KV
         sched.swap_out = lambda i, r, tokens: host.__setitem__(i, kv.save(i, tokens))
         sched.swap_in = lambda i, r, tokens: kv.load(i, host.pop(i))
-        return _Serving(Runner(model, kv), sched, prompts, keep_logits).run(progress)
+        runner = Runner(model, kv, backend)
+        if graphs:
+            per_request = (-(-max_model_len // kv.page_tokens) if kv.page_tokens is not None
+                           else MAX_GRAPH_EXTENTS)
+            make_graphs(runner, max_batch, max_batch * per_request)
+        out = _Serving(runner, sched, prompts, keep_logits).run(progress)
+        out["attention"] = backend
+        out["cuda_graphs"] = runner.graphs is not None
+        return out
     finally:
         alloc.close()
+
+
+# runs per request the decode graphs' static run tables hold for block and extent policies (a
+# step with more, an extent block that found no room to merge, runs eagerly)
+MAX_GRAPH_EXTENTS = 64
+
+
+def use_graphs(cuda_graphs: str, device, backend: str) -> bool:
+    """Whether decode steps are captured as CUDA graphs: "auto" where they can be (a CUDA
+    device and the Triton kernels, whose launches need no host values); "on" refused where
+    they cannot be, in one line."""
+    if cuda_graphs not in ("auto", "on", "off"):
+        raise BadArgument(f"--cuda-graphs takes auto, on or off, not {cuda_graphs!r}")
+    able = torch.device(device).type == "cuda" and backend == "triton"
+    if cuda_graphs == "on" and not able:
+        raise BadArgument("--cuda-graphs on needs a CUDA device and the Triton attention "
+                          f"kernels (here: {device}, {backend} attention)")
+    return able and cuda_graphs != "off"
 
 
 class _Serving:
@@ -348,11 +212,21 @@ class _Serving:
     def now(self) -> float:
         return time.perf_counter() - self.start
 
-    def emit(self, i, logits) -> None:
-        self.made[i].append(int(torch.argmax(logits)))
-        if self.keep_logits:
-            v, ix = torch.topk(logits.float(), min(LOGIT_CHECK_K, logits.numel()))
-            self.top[i].append((v.cpu(), ix.cpu()))
+    def pick(self, logits):
+        """The token each row of a step's `logits` chooses, read back once for the whole step
+        (and, for the check, the rows' top logits)."""
+        tokens = logits.argmax(-1).tolist()
+        if not self.keep_logits:
+            return tokens, None
+        v, ix = torch.topk(logits.float(), min(LOGIT_CHECK_K, logits.shape[-1]))
+        return tokens, (v.cpu(), ix.cpu())
+
+    def emit(self, i, picked, j) -> None:
+        """Request i takes the token of row j of what pick() read."""
+        tokens, top = picked
+        self.made[i].append(tokens[j])
+        if top is not None:
+            self.top[i].append((top[0][j], top[1][j]))
 
     def context(self, i):
         """Request i's context: its prompt and, after a preemption, every token it made."""
@@ -398,8 +272,9 @@ class _Serving:
             if admitted or sched.resuming:
                 batch = [(i, self.context(i), 0) for i, _, _, _ in admitted]
                 if batch:
-                    for (i, _, _), logits in zip(batch, self.runner.forward(batch)):
-                        self.emit(i, logits)
+                    picked = self.pick(self.runner.forward(batch))
+                    for j, (i, _, _) in enumerate(batch):
+                        self.emit(i, picked, j)
                 t = self.now()
                 for i, r, _, _ in admitted:
                     self.prefilled(i, r, t)
@@ -414,12 +289,11 @@ class _Serving:
             sched.resume()
             return came_back
         # each decode feeds its last token, at the position after its context
-        batch = [(i, torch.tensor(made[i][-1:]), reqs[i].prompt + reqs[i].made - 1)
-                 for i in ids]
+        batch = [(i, made[i][-1:], reqs[i].prompt + reqs[i].made - 1) for i in ids]
         batch += [(i, self.context(i)[start:start + k], start) for i, _, start, k in chunks]
-        logits = self.runner.forward(batch)
+        picked = self.pick(self.runner.forward(batch))
         for j, i in enumerate(ids):
-            self.emit(i, logits[j])
+            self.emit(i, picked, j)
             reqs[i].made += 1
         if ids:
             self.steps += 1
@@ -428,7 +302,7 @@ class _Serving:
         self.decoded(ids, t)
         for j, (i, r, _, k) in enumerate(chunks):
             if sched.chunk_done(i, r, k):
-                self.emit(i, logits[len(ids) + j])
+                self.emit(i, picked, len(ids) + j)
                 self.prefilled(i, r, t)
         sched.resume()
         self.peak_batch = max(self.peak_batch, len(running))
@@ -464,22 +338,29 @@ def check_tokens(model, prompts: list, tokens: list, top: list, *, near_tie: flo
     """Compare what the engine made with transformers' forward of the model over each request's
     prompt and the engine's tokens (teacher forced, so that a near tie does not derail the rest
     of the request). A request mismatches when a token differs from the reference's choice
-    where the reference's best two logits are more than `near_tie` apart, or when a logit at
+    where the reference's best two logits are more than `near_tie` apart, when a logit at
     the engine's top-LOGIT_CHECK_K tokens differs by more than logit_rtol x (1 + the position's
-    largest logit) (default 1e-4 for float32, 3e-2 for bfloat16)."""
+    largest logit) (default 1e-4 for float32, 3e-2 for bfloat16), or when a logit of either is
+    not finite: NaN compares equal to nothing, so such a check would check nothing. Those
+    requests are also counted apart (non_finite)."""
     dtype = next(model.parameters()).dtype
     if logit_rtol is None:
         logit_rtol = 1e-4 if dtype == torch.float32 else 3e-2
     dev = next(model.parameters()).device
-    mismatches = near_ties = 0
+    mismatches = near_ties = non_finite = 0
     worst = 0.0
     for p, toks, tops in zip(prompts, tokens, top or [None] * len(tokens)):
         seq = torch.cat([p, torch.tensor(toks, dtype=p.dtype)])[None].to(dev)
         with torch.no_grad():
             ref = model(seq).logits[0, p.numel() - 1:p.numel() - 1 + len(toks)].float().cpu()
         two = torch.topk(ref, 2).values
-        bad = False
-        for j, tok in enumerate(toks):
+        finite = bool(torch.isfinite(ref).all()) and all(
+            bool(torch.isfinite(values).all()) for values, _ in (tops or []))
+        non_finite += not finite
+        bad = not finite
+        if not finite:
+            worst = math.nan            # no difference to speak of (JSON null)
+        for j, tok in enumerate(toks if finite else ()):
             if tok != int(torch.argmax(ref[j])):
                 if float(two[j, 0] - two[j, 1]) <= near_tie:
                     near_ties += 1
@@ -493,7 +374,7 @@ def check_tokens(model, prompts: list, tokens: list, top: list, *, near_tie: flo
             if diff > logit_rtol * (1.0 + float(ref[j].abs().max())):
                 bad = True
         mismatches += bad
-    return {"mismatches": mismatches, "near_ties": near_ties,
+    return {"mismatches": mismatches, "near_ties": near_ties, "non_finite": non_finite,
             "max_logit_diff": worst if top is not None else None,
             "near_tie": near_tie, "logit_rtol": logit_rtol}
 
@@ -527,6 +408,6 @@ def summarise(policy: str, run: dict, setup: dict) -> dict:
         "peak_batch": run["peak_batch"],
         "steps": run["steps"],
         "startup_s": run.get("startup_seconds"),   # hf: its manager's start-up, not in duration
-        "mismatches": None, "near_ties": None, "max_logit_diff": None,
+        "mismatches": None, "near_ties": None, "non_finite": None, "max_logit_diff": None,
         "settings": setup,
     }

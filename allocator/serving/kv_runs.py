@@ -1,0 +1,168 @@
+"""The engine's KV in the allocator's pool, described for each step as run tables.
+
+Every layout keeps its tokens in regions of the pool, each laid out head-major as
+[layers, 2 (K, V), kv_heads, cap, head_dim] from an element offset `off`, `cap` the region's
+capacity in tokens: a contiguous block (odma, static, s3, oracle) is one region of its
+capacity, an extent block one region per extent, a paged block one region per page (cap =
+page_tokens). A request's KV for a step is then a list of runs, in token order, each the first
+tokens of one region: one run for a block, one per extent, one per page. One attention kernel
+family (allocator/serving/run_attention.py) reads every layout through these tables, so a
+difference the engine measures between policies is the memory layout, not the code.
+
+KVPool keeps, per request, the numpy arrays of its regions (offsets, caps, first positions),
+renewed only when its block changes (a migration, a new extent, a new page), so that a step's
+tables are a concatenation of cached arrays, not a Python loop over pages. The tables for the
+whole batch are built once per step on the host and moved to the device in one copy each; every
+layer's attention reads them, none builds its own index.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import torch
+
+
+@dataclasses.dataclass
+class StepTables:
+    """The host side of one step: run tables for the requests that read KV (`readers`, in
+    order), and a slot for every new token of the step (packed order)."""
+
+    run_start: np.ndarray    # int32 [B + 1]: request b's runs are rows run_start[b]..[b + 1] - 1
+    run_off: np.ndarray      # int64 [R]: each run's region offset (elements)
+    run_cap: np.ndarray      # int32 [R]: each run's region capacity (tokens)
+    run_len: np.ndarray      # int32 [R]: tokens of the run read this step
+    run_pos: np.ndarray      # int32 [R]: position of the run's first token in its request
+    ctx_len: np.ndarray      # int32 [B]: each reader's context, its new tokens included
+    slot: np.ndarray         # int64 [N]: each new token's element offset (layer 0, K, head 0)
+    slot_cap: np.ndarray     # int64 [N]: the capacity of the region that slot lies in
+
+
+class KVPool:
+    """The pool as one flat tensor of the KV dtype, and each request's regions in it."""
+
+    def __init__(self, alloc, config, dtype, head_dim: int):
+        self.alloc = alloc
+        self.dtype = dtype
+        self.layers = config.num_hidden_layers
+        self.kv_heads = config.num_key_value_heads
+        self.head_dim = head_dim
+        self.element = torch.empty((), dtype=dtype).element_size()
+        raw = alloc.pool_tensor()
+        usable = raw.numel() // self.element * self.element
+        self.flat = raw[:usable].view(dtype)
+        self.device = self.flat.device
+        # every region starts at a multiple of the allocator's alignment: the kernels may load
+        # vectors (in elements)
+        self.align = max(1, alloc.alignment // self.element)
+        self.page_tokens = getattr(alloc, "page_tokens", None)
+        if self.page_tokens is not None:
+            if alloc.page_bytes % self.element:
+                raise ValueError("page size is not a whole number of KV elements")
+            self.page_elements = alloc.page_bytes // self.element
+        self._regions: dict = {}     # request -> (key, (offsets, caps, first positions))
+
+    # ------------------------------------------------------------------ regions
+    def _elements(self, byte_offset: int) -> int:
+        if byte_offset % self.element:
+            raise ValueError(f"a KV region at byte {byte_offset} is not element-aligned")
+        return byte_offset // self.element
+
+    def regions(self, i, blk=None):
+        """(offsets int64, caps int32, first positions int64) of request i's regions (of its live
+        block, or of `blk`), in token order. Cached until the block changes: the allocator's
+        block is looked up every time, so a released or migrated-away block is never read."""
+        live = blk is None
+        blk = self.alloc.block(i) if live else blk
+        key = (blk, blk.capacity_tokens, getattr(blk, "extents", None))
+        got = self._regions.get(i)
+        if got is not None and got[0][0] is blk and got[0][1:] == key[1:]:
+            return got[1]
+        if self.page_tokens is not None:
+            pages = np.asarray(blk.pages, dtype=np.int64)
+            offs = pages * self.page_elements
+            caps = np.full(len(pages), self.page_tokens, dtype=np.int32)
+        elif getattr(blk, "extents", None) is not None:
+            offs = np.array([self._elements(e[0]) for e in blk.extents], dtype=np.int64)
+            caps = np.array([e[2] for e in blk.extents], dtype=np.int32)
+        else:
+            offs = np.array([self._elements(blk.offset)], dtype=np.int64)
+            caps = np.array([blk.capacity_tokens], dtype=np.int32)
+        firsts = np.cumsum(caps, dtype=np.int64) - caps
+        value = (offs, caps, firsts)
+        if live:                     # (a migration's blocks are not cached: used once)
+            self._regions[i] = (key, value)
+        return value
+
+    def forget(self, i) -> None:
+        self._regions.pop(i, None)
+
+    def views(self, i, blk=None):
+        """[(first token, tokens, view (layers, 2, kv_heads, cap, head_dim))] of request i's
+        regions: what a migration or a swap copies, region by region."""
+        offs, caps, firsts = self.regions(i, blk)
+        shape = (self.layers, 2, self.kv_heads)
+        per_token = self.layers * 2 * self.kv_heads * self.head_dim
+        return [(int(f), int(c), self.flat[int(o):int(o) + int(c) * per_token].view(
+                    *shape, int(c), self.head_dim))
+                for o, c, f in zip(offs, caps, firsts)]
+
+    # ------------------------------------------------------------------ a step's tables
+    def step_tables(self, readers, writers) -> StepTables:
+        """Run tables for `readers` [(request, context tokens)] and slots for `writers`
+        [(request, first new position, new tokens)] (the step's packed token order)."""
+        offs, caps, lens, poss, starts, ctxs = [], [], [], [], [0], []
+        for i, ctx in readers:
+            o, c, f = self.regions(i)
+            k = int(np.searchsorted(f, ctx, side="left"))    # regions starting before ctx
+            offs.append(o[:k])
+            caps.append(c[:k])
+            poss.append(f[:k])
+            lens.append(np.minimum(c[:k], ctx - f[:k]))
+            starts.append(starts[-1] + k)
+            ctxs.append(ctx)
+        slots, slot_caps = [], []
+        for i, first, n in writers:
+            o, c, f = self.regions(i)
+            pos = np.arange(first, first + n, dtype=np.int64)
+            r = np.searchsorted(f, pos, side="right") - 1
+            if n and pos[-1] >= f[-1] + c[-1]:
+                raise ValueError(f"request {i}: position {int(pos[-1])} is past its block's "
+                                 f"{int(f[-1] + c[-1])} tokens")
+            slots.append(o[r] + (pos - f[r]) * self.head_dim)
+            slot_caps.append(c[r].astype(np.int64))
+        cat = (lambda xs, dt: np.concatenate(xs).astype(dt, copy=False) if xs
+               else np.zeros(0, dtype=dt))
+        return StepTables(
+            run_start=np.asarray(starts, dtype=np.int32), run_off=cat(offs, np.int64),
+            run_cap=cat(caps, np.int32), run_len=cat(lens, np.int32),
+            run_pos=cat(poss, np.int32), ctx_len=np.asarray(ctxs, dtype=np.int32),
+            slot=cat(slots, np.int64), slot_cap=cat(slot_caps, np.int64))
+
+    # ------------------------------------------------------------------ copies
+    def save(self, i, tokens: int):
+        """A host copy of request i's KV of positions [0, tokens), (layers, 2, kv_heads,
+        tokens, head_dim) (a swap-out)."""
+        parts = [view[:, :, :, :min(cap, tokens - first)]
+                 for first, cap, view in self.views(i) if first < tokens]
+        return torch.cat(parts, dim=3).to("cpu", copy=True)
+
+    def load(self, i, saved) -> None:
+        """Write a host copy save() made back into request i's (new) block (a swap-in)."""
+        saved = saved.to(self.device)
+        n = saved.shape[3]
+        for first, cap, view in self.views(i):
+            if first < n:
+                view[:, :, :, :min(cap, n - first)] = saved[:, :, :, first:first + cap]
+
+    def migrate(self, old, new) -> None:
+        """The allocator's copy of a migration (or an extent merge): the first `written` tokens
+        of every region, each to its place in the new block (not the request's yet)."""
+        n = min(old.written // self.alloc.bytes_per_token, old.capacity_tokens)
+        dst = self.views(new.request_id, new)
+        for first, tokens, src in self.views(old.request_id, old):
+            for to, room, view in dst:
+                lo, hi = max(first, to), min(first + tokens, to + room, n)
+                if lo < hi:
+                    view[:, :, :, lo - to:hi - to] = src[:, :, :, lo - first:hi - first]

@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# odma-hw's GPU checks in one prepared run on a machine with an NVIDIA GPU and no network
+# (`make gpu-check`). Run from the project's root with .device/ holding whl/ (wheels the GPU
+# image lacks: cffi, pycparser, setuptools, wheel, packaging, transformers) and traces/ (the
+# request traces). Every step has its own limit under one deadline (BUDGET seconds); the log
+# goes to $OUT/log.txt and every step's output to $OUT/r.tgz.
+# Dry run on a CPU: DEV=torch:cpu SMALL=1 OUT=/tmp/gout bash bench/gpu_check.sh
+set -u
+: "${OUT:?set OUT to a results folder}" "${DEV:=torch:cuda:0}"
+: "${SMALL:=0}" "${BUDGET:=480}"
+ROOT=$(pwd); R=/tmp/gpu-r; rm -rf "$R"; mkdir -p "$R" "$OUT"
+exec > >(tee -a "$OUT/log.txt") 2>&1
+export PYTHONUNBUFFERED=1
+deadline=$((SECONDS + BUDGET))
+step() {  # step NAME SECONDS CMD... (stdout to $R/NAME.out); the command's status in $rc
+  local name=$1 t=$2; shift 2
+  local left=$((deadline - SECONDS - 20)); ((t > left)) && t=$left
+  ((t < 5)) && { echo "=== $name SKIPPED (no time)"; rc=124; return; }
+  echo "=== $name (limit ${t}s) $*"
+  local t0=$SECONDS; timeout "$t" "$@" > "$R/$name.out"; rc=$?
+  echo "=== $name rc=$rc $((SECONDS - t0))s"; tail -c 1800 "$R/$name.out"; echo
+}
+W=.device/whl
+if [ -d $W ] && ! python3 -c "import cffi" 2>/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
+    $W/cffi-*.whl $W/pycparser-*.whl $W/transformers-*.whl
+  export PYTHONPATH=/tmp/site
+  python3 -m pip install -q --no-index --find-links "$ROOT/$W" --no-deps -e . 2>&1 | tail -5
+fi
+PY=python3; [ -x .venv/bin/python ] && PY=.venv/bin/python
+nvidia-smi -L 2>/dev/null
+$PY -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else '-', 'transformers', transformers.__version__)"
+$PY -c "import triton; print('triton', triton.__version__)" || true
+OH="$PY -m odma_hw"
+AZ=.device/traces/azure_conv_2023.csv; [ -f $AZ ] || AZ=../shared/traces/azure_conv_2023.csv
+cut() {  # cut DST N PROMPT_CAP OUTPUT_CAP: the first N Azure requests, capped
+  $PY - "$AZ" "$1" "$2" "$3" "$4" <<'PY'
+import sys
+src, dst, n, pc, oc = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:])
+lines = open(src).read().splitlines()
+head = lines[0].split(","); ip, io = head.index("num_prefill_tokens"), head.index("num_decode_tokens")
+with open(dst, "w") as f:
+    f.write("num_prefill_tokens,num_decode_tokens\n")
+    for l in lines[1:n + 1]:
+        c = l.split(","); f.write(f"{max(1, min(int(c[ip]), pc))},{max(1, min(int(c[io]), oc))}\n")
+PY
+}
+# lengths only (no arrival times: every request is there at the start, as a check needs)
+cut "$R/check_tiny.csv" 16 400 200; cut "$R/check_model.csv" 16 256 48
+if [ "$SMALL" = 1 ]; then
+  MODEL=tiny-llama; DT=float32; cut "$R/t32.csv" 8 64 8; cut "$R/t256.csv" 8 64 8
+  MB=8; POOL=4; BIGMB=8; BIGPOOL=8; BIGLEN=80; TINYN=6
+else
+  MODEL=qwen2.5-0.5b; DT=bfloat16; cut "$R/t32.csv" 32 1024 128
+  cut "$R/t256.csv" 256 2048 256; MB=32; POOL=512; BIGMB=128; BIGPOOL=4000; BIGLEN=2304; TINYN=16
+fi
+ALL=odma,static,s3,oracle,paged,extent,elastic
+E="$OH engine --device $DEV"
+# 1. correctness on the device, every policy, a pool small enough to force migrations; where
+# it fails, again without CUDA graphs, then with torch's attention, and the rest runs as the
+# first that passed
+G=auto; ATT=auto
+for try in "auto auto" "off auto" "off torch"; do
+  set -- $try; G=$1; ATT=$2
+  step check_tiny_${G}_${ATT} 60 $E --cuda-graphs $G --attention $ATT --model tiny-qwen2 \
+    --trace "$R/check_tiny.csv" --requests $TINYN --kv-pool-mb 0.5 --policy $ALL --check --json
+  [ $rc = 0 ] && break
+done
+echo "=== the engine runs below: --cuda-graphs $G --attention $ATT"
+E="$E --cuda-graphs $G --attention $ATT --model $MODEL --dtype $DT"
+# 2. speed: the first GPU run's 32 requests (max batch 32, 512 MB)
+step speed32 120 $E --trace "$R/t32.csv" --max-batch $MB --kv-pool-mb $POOL \
+  --policy odma,paged,elastic,hf --json
+# 3. the full run: 256 requests, prompts <= 2048, outputs <= 256, max batch 128, a 4 GB pool
+step full256 100 $E --trace "$R/t256.csv" --max-batch $BIGMB --kv-pool-mb $BIGPOOL \
+  --max-model-len $BIGLEN --policy odma,static,paged,extent,elastic --json
+# 4. the model's own check (bf16), and odma without graphs beside the graphs' figure
+step check_model 50 $E --trace "$R/check_model.csv" --kv-pool-mb 64 \
+  --policy odma,paged,elastic --check --json
+step speed32_eager 30 ${E/--cuda-graphs $G/--cuda-graphs off} --trace "$R/t32.csv" \
+  --max-batch $MB --kv-pool-mb $POOL --policy odma --json
+step full256_hf 90 $E --trace "$R/t256.csv" --max-batch $BIGMB --kv-pool-mb $BIGPOOL \
+  --max-model-len $BIGLEN --policy hf --json
+# transformers at its best: its own CUDA graphs asked for
+step speed32_hf_graphs 40 ${E/--cuda-graphs $G/--cuda-graphs on} --trace "$R/t32.csv" \
+  --max-batch $MB --kv-pool-mb $POOL --policy hf --json
+# 5. the kernel alone, if time is left
+step bench_kernel 40 $PY -m pytest -q -p no:cacheprovider bench/bench_run_attention.py \
+  --benchmark-only --benchmark-json "$R/bench_kernel.json"
+# the probe's verdict for the model's 16-token pages, measured on this card
+step probe 40 $OH probe --device "${DEV#torch:}" --model $MODEL --page-tokens 16 --json
+(cd /tmp && tar czf "$OUT/r.tgz" gpu-r)
+echo "=== done $SECONDS s"

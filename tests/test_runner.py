@@ -1,0 +1,156 @@
+"""The engine's batched step: every layout's blocks become run tables that satisfy the kernels'
+contract and address exactly the block's bytes; CUDA graphs are captured for the padded batch
+sizes vLLM pads to; options that cannot run here are refused in one line before any work."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from allocator.config import AllocatorConfig  # noqa: E402
+from allocator.policies import make_allocator  # noqa: E402
+from allocator.serving import models, run_attention  # noqa: E402
+from allocator.serving.kv_runs import KVPool  # noqa: E402
+from allocator.serving.runner import graph_sizes  # noqa: E402
+from allocator.serving.torch_engine import use_graphs  # noqa: E402
+from odma_hw.cli import main  # noqa: E402
+from odma_hw.errors import BadArgument  # noqa: E402
+
+TRACE_ROWS = "num_prefill_tokens,num_decode_tokens\n12,4\n30,3\n"
+
+
+def test_graph_sizes_are_vllms_padding_up_to_the_largest_batch():
+    assert graph_sizes(1) == [1]
+    assert graph_sizes(5) == [1, 2, 4, 5]
+    assert graph_sizes(8) == [1, 2, 4, 8]
+    assert graph_sizes(32) == [1, 2, 4, 8, 16, 24, 32]
+    assert graph_sizes(20) == [1, 2, 4, 8, 16, 20]
+    assert graph_sizes(128)[-3:] == [112, 120, 128]
+
+
+@pytest.mark.parametrize("policy,page_tokens", [("odma", 16), ("paged", 4), ("paged", 1),
+                                                ("extent", 16)])
+def test_step_tables_address_each_token_where_its_block_holds_it(policy, page_tokens):
+    """Tokens written through the step's slots read back through its run tables (the torch
+    gather) in token order, and equal what the block's own region views hold."""
+    cfg, _ = models.load_config("tiny-llama")
+    D = models.head_dim(cfg)
+    bpt = models.kv_bytes_per_token(cfg, "float32")
+    extents = dict(token_alignment=4, extent_knee_tokens=4, extent_max=8)
+    alloc = make_allocator(policy, "torch:cpu", 400 * bpt, bpt, 96, AllocatorConfig(
+        background_refresh=False, **(extents if policy == "extent" else {})),
+        page_tokens=page_tokens)
+    try:
+        kv = KVPool(alloc, cfg, torch.float32, D)
+        kv.flat.zero_()
+        lengths = {0: 9, 1: 23, 2: 1}
+        for i, n in lengths.items():
+            alloc.reserve(i, n, 4.0, 0.0)
+            alloc.grow(i, n + 5)                     # several extents or pages, room past n
+        tables = kv.step_tables(list(lengths.items()), [(i, 0, n) for i, n in lengths.items()])
+        runs = run_attention.RunTable(**{f: torch.from_numpy(getattr(tables, f)) for f in (
+            "run_start", "run_off", "run_cap", "run_len", "run_pos", "ctx_len")})
+        runs.validate(kv.flat.numel(), kv.layers, kv.kv_heads, D)
+        if policy == "paged":
+            assert int(tables.run_start[2]) - int(tables.run_start[1]) == -(-23 // page_tokens)
+        N = sum(lengths.values())
+        gen = torch.Generator().manual_seed(0)
+        for layer in range(kv.layers):
+            k = torch.randn(N, kv.kv_heads, D, generator=gen)
+            v = torch.randn(N, kv.kv_heads, D, generator=gen)
+            run_attention.store_kv(kv.flat, k, v, torch.from_numpy(tables.slot),
+                                   torch.from_numpy(tables.slot_cap), layer, kv.kv_heads, D,
+                                   backend="torch")
+            K, V = runs.gather_index(kv.kv_heads, D).kv(kv.flat, layer, D)
+            first = 0
+            for b, (i, n) in enumerate(lengths.items()):
+                assert torch.equal(K[b, :, :n], k[first:first + n].transpose(0, 1))
+                assert torch.equal(V[b, :, :n], v[first:first + n].transpose(0, 1))
+                held = torch.cat([view[layer, :, :, :min(cap, n - at)]
+                                  for at, cap, view in kv.views(i) if at < n], dim=2)
+                assert torch.equal(held[0], K[b, :, :n]) and torch.equal(held[1], V[b, :, :n])
+                first += n
+    finally:
+        alloc.close()
+
+
+def test_a_slot_past_the_block_is_refused_not_written():
+    cfg, _ = models.load_config("tiny-llama")
+    bpt = models.kv_bytes_per_token(cfg, "float32")
+    alloc = make_allocator("paged", "torch:cpu", 64 * bpt, bpt, 32,
+                           AllocatorConfig(background_refresh=False), page_tokens=4)
+    try:
+        kv = KVPool(alloc, cfg, torch.float32, models.head_dim(cfg))
+        alloc.reserve(0, 4, 0.0, 0.0)
+        with pytest.raises(ValueError, match="past its block"):
+            kv.step_tables([], [(0, 4, 1)])
+    finally:
+        alloc.close()
+
+
+def test_cuda_graphs_and_triton_are_refused_where_they_cannot_run(tmp_path, capsys,
+                                                                    monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)     # the CPU runs no Triton then
+    assert use_graphs("auto", "cpu", "torch") is False
+    assert use_graphs("off", "cpu", "torch") is False
+    with pytest.raises(BadArgument, match="needs a CUDA device"):
+        use_graphs("on", "cpu", "torch")
+    trace = tmp_path / "t.csv"
+    trace.write_text(TRACE_ROWS)
+    for flags, words in ((["--cuda-graphs", "on"], "needs a CUDA device"),
+                         (["--attention", "triton"], "triton")):
+        code = main(["engine", "--trace", str(trace), "--model", "tiny-llama",
+                     "--policy", "odma", *flags])
+        err = capsys.readouterr().err.strip()
+        assert code == 2 and len(err.splitlines()) == 1 and words in err, err
+
+
+def test_padded_decode_graph_steps_make_generates_tokens(monkeypatch):
+    """The decode graphs' static buffers, padding and table packing, replayed eagerly on the
+    CPU (a CUDA graph replays exactly what it captured): every policy's tokens are still
+    generate()'s, with batches that pad up to a larger size and lanes left empty."""
+    from allocator.serving import runner as runner_mod
+    from allocator.serving import torch_engine as te
+
+    class Replay:
+        def __init__(self, graphs, size):
+            self.graphs, self.size = graphs, size
+
+        def replay(self):
+            self.graphs.logits[self.size] = self.graphs._forward(self.size)
+
+    replays = []
+
+    def fake_graphs(runner, max_batch, max_runs):
+        graphs = runner_mod.DecodeGraphs(runner, max_batch, max_runs)
+        graphs.graphs = {s: Replay(graphs, s) for s in graphs.sizes}
+        real = graphs.decode
+
+        def decode(batch):
+            replays.append(len(batch))
+            return real(batch)
+        graphs.decode = decode
+        runner.graphs = graphs
+
+    monkeypatch.setattr(te, "use_graphs", lambda *a: True)
+    monkeypatch.setattr(te, "make_graphs", fake_graphs)
+    cfg, _ = models.load_config("tiny-qwen2")
+    model = te.build_model(cfg, "float32", "cpu", seed=0)
+    rng = np.random.default_rng(3)
+    prompts = te.prompt_ids(7, rng.integers(3, 30, 7), cfg.vocab_size, 3)
+    gen = [int(g) for g in rng.integers(1, 20, 7)]
+    reference = [model.generate(p[None], max_new_tokens=g, min_new_tokens=g, do_sample=False,
+                                eos_token_id=None, pad_token_id=0)[0, p.numel():].tolist()
+                 for p, g in zip(prompts, gen)]
+    bpt = models.kv_bytes_per_token(cfg, "float32")
+    for policy in ("odma", "paged", "extent"):
+        replays.clear()
+        run = te.serve(model, prompts, gen, np.zeros(len(gen)), policy, pool_bytes=400 * bpt,
+                       max_model_len=64, max_batch=6, page_tokens=4, predictor="noisy",
+                       config=AllocatorConfig(background_refresh=False, token_alignment=4,
+                                              extent_knee_tokens=4, extent_max=4))
+        assert run["tokens"] == reference, policy
+        assert {3, 5} & set(replays), replays        # batches padded to 4 and 6
