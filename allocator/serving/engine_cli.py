@@ -147,14 +147,18 @@ def compute(args, results: list | None = None, failed: list | None = None) -> di
     out = [] if results is None else results
     pooled = [policy for policy in p["policies"] if policy != "hf"]
     if pooled:
-        # untimed: torch's one-time start-up (thread pools, first kernels) must not land on the
-        # first policy measured; with a policy whose pool prepare() checked, each request
-        # within the max model length
-        warm = prompts[:2]
-        serve(model, warm, [max(1, min(2, p["max_model_len"] - q.numel())) for q in warm],
-              [0.0] * len(warm), pooled[0], pool_bytes=p["pool"], max_model_len=p["max_model_len"],
+        # untimed, as a server that has run a while: the first max-batch requests, 1-4
+        # tokens each, through the first policy as it will run (its graphs captured), so that
+        # torch's start-up and the kernels each step's shapes load or compile (cuBLAS, Triton)
+        # do not land on the first policy measured; each request within the max model length
+        # of a pool prepare() checked
+        warm = prompts[:args.max_batch]
+        serve(model, warm, [max(1, min(1 + j % 4, p["max_model_len"] - q.numel()))
+                            for j, q in enumerate(warm)],
+              [0.0] * len(warm), pooled[0], pool_bytes=p["pool"],
+              max_model_len=p["max_model_len"], max_batch=args.max_batch,
               page_tokens=args.page_tokens, config=p["alloc_config"], attention=p["attention"],
-              cuda_graphs="off")
+              cuda_graphs=args.cuda_graphs)
     for policy in p["policies"]:
         show = progress(policy) if not args.json or os.isatty(2) else None
         try:

@@ -225,39 +225,47 @@ class GatherIndex:
 
     @classmethod
     def build(cls, runs: RunTable, kv_heads: int, head_dim: int) -> "GatherIndex":
-        dev = runs.device
+        """Built on the host with numpy (the torch path syncs anyway, and a dozen numpy
+        operations on a step's few thousand tokens cost a fraction of as many torch calls),
+        then moved to the tables' device."""
+        import numpy as np
+
         B, D = runs.batch, head_dim
-        st = runs.run_start.long()
-        ctx = runs.ctx_len.long()
+        st = runs.run_start.cpu().numpy().astype(np.int64)
+        ctx = runs.ctx_len.cpu().numpy().astype(np.int64)
         L = int(ctx.max()) if B else 0
         R = int(st[-1])
-        n = runs.run_len[:R].long()
-        req = torch.repeat_interleave(torch.arange(B, device=dev), st[1:] - st[:-1])
-        tok_run = torch.repeat_interleave(torch.arange(R, device=dev), n)
-        first = torch.cumsum(n, 0) - n
-        t = torch.arange(tok_run.numel(), device=dev) - first[tok_run]
-        pos = runs.run_pos[:R].long()[tok_run] + t
+        n = runs.run_len[:R].cpu().numpy().astype(np.int64)
+        off = runs.run_off[:R].cpu().numpy().astype(np.int64)
+        cap = runs.run_cap[:R].cpu().numpy().astype(np.int64)
+        req = np.repeat(np.arange(B), st[1:] - st[:-1])
+        tok_run = np.repeat(np.arange(R), n)
+        t = np.arange(tok_run.size) - np.repeat(np.cumsum(n) - n, n)
+        pos = runs.run_pos[:R].cpu().numpy().astype(np.int64)[tok_run] + t
         b = req[tok_run]
-        base = torch.zeros(B, L, dtype=torch.int64, device=dev)
-        capd = torch.zeros(B, L, dtype=torch.int64, device=dev)
         keep = pos < ctx[b]            # a table that says more than ctx_len: ctx_len wins
         b, pos, tok_run, t = b[keep], pos[keep], tok_run[keep], t[keep]
-        base[b, pos] = runs.run_off[:R][tok_run] + t * D
-        capd[b, pos] = runs.run_cap[:R].long()[tok_run] * D
-        ch = torch.arange(2 * kv_heads, device=dev).view(1, 2, kv_heads, 1)
-        valid = torch.arange(L, device=dev)[None, :] < ctx[:, None]
+        base = np.zeros((B, L), dtype=np.int64)
+        capd = np.zeros((B, L), dtype=np.int64)
+        base[b, pos] = off[tok_run] + t * D
+        capd[b, pos] = cap[tok_run] * D
+        valid = np.arange(L)[None, :] < ctx[:, None]
         if L:    # positions past a context read a real token (its request's first, else any
             # request's): finite values that the masks weigh 0, so nothing needs zeroing
-            donor = torch.where(ctx > 0, torch.arange(B, device=dev), ctx.argmax())
-            base = torch.where(valid, base, base[donor, :1])
-            capd = torch.where(valid, capd, capd[donor, :1])
+            donor = np.where(ctx > 0, np.arange(B), ctx.argmax())
+            base = np.where(valid, base, base[donor, :1])
+            capd = np.where(valid, capd, capd[donor, :1])
+        ch = np.arange(2 * kv_heads).reshape(1, 2, kv_heads, 1)
         idx0 = base[:, None, None, :] + ch * capd[:, None, None, :]
         stride = (2 * kv_heads * capd)[:, None, None, :]
         # whole rows of head_dim elements when every region starts on one (blocks and pages
         # do, at the allocator's alignment): a row gather moves head_dim times fewer indices
-        if R and not bool((runs.run_off[:R] % D).any()):
-            return cls(idx0 // D, stride // D, valid, L, rows=True)
-        return cls(idx0, stride, valid, L)
+        rows = bool(R) and not (off % D).any()
+        if rows:
+            idx0, stride = idx0 // D, stride // D
+        dev = runs.device
+        return cls(torch.from_numpy(idx0).to(dev), torch.from_numpy(stride).to(dev),
+                   torch.from_numpy(valid).to(dev), L, rows=rows)
 
     def kv(self, pool: torch.Tensor, layer: int, head_dim: int):
         """(K, V), each [B, KVH, L, head_dim] in the pool's dtype; past each context, the
@@ -374,11 +382,11 @@ def _decode_torch(q, pool, runs, layer, kv_heads, head_dim, scale):
     if B == 0 or gi.length == 0:
         return out.to(q.dtype)
     K, V = gi.kv(pool, layer, head_dim)                                      # [B, KVH, L, D]
-    qf = q.float().reshape(B, kv_heads, G, D)
-    s = torch.matmul(qf, K.float().transpose(-1, -2)) * scale                # [B, KVH, G, L]
-    s.masked_fill_(~gi.valid[:, None, None, :], float("-inf"))
-    p = torch.softmax(s, -1).nan_to_num_(0.0)                                # ctx 0: zeros
-    return torch.matmul(p, V.float()).view(B, H, D).to(q.dtype)
+    # a request's G query heads of one kv head are SDPA's query rows of that head
+    o = torch.nn.functional.scaled_dot_product_attention(
+        q.float().reshape(B, kv_heads, G, D), K.float(), V.float(),
+        attn_mask=gi.valid[:, None, None, :], scale=scale)                   # [B, KVH, G, D]
+    return o.nan_to_num_(0.0).reshape(B, H, D).to(q.dtype)                   # ctx 0: zeros
 
 
 def _prefill_torch(q, pool, runs, q_start, q_len, q_pos, layer, kv_heads, head_dim, scale):
