@@ -75,7 +75,7 @@ def main(argv=None) -> None:
                                               "--policy", a.policy, "--json"])
             for r in compute(args)["results"]:
                 print(f"| {name} | {r['policy']} | {r['output_tps']:.1f} | "
-                      f"{r['ttft_s']['p50']:.2f} s | {r['tpot_s']['p50'] * 1e3:.0f} ms | "
+                      f"{r['ttft_s']['p50']:.2f} s | {r['tpot_s']['p50'] * 1e3:.1f} ms | "
                       f"{r['e2e_s']['p50']:.1f} s | "
                       f"{r['mean_batch'] if r['mean_batch'] is None else round(r['mean_batch'], 1)}"
                       f" | {r['preemptions']} | {r['migrations']} |", flush=True)

@@ -5,7 +5,8 @@ the simulated figure beside the published one, and the mean absolute error.
 
 Each point is a dense 7-8B model on one GPU (TP1) at fixed input and output lengths and a fixed
 concurrency or batch, as its source states it; the cards are the presets in
-allocator/serving/cards/ (datasheet figures, the overhead defaults every card shares, MFU 0.5):
+allocator/serving/cards/ (datasheet figures, the overhead defaults every card shares, MFU 0.5;
+h100-sxm's run rates from the native probe of an H100):
 nothing here is fitted to these points. The scheduler follows the vLLM version measured: V0
 (up to 0.6) prefills whole prompts first; V1 (0.8 on) runs chunked prefill with its default
 token budget (8,192 for the OpenAI server on >= 70 GB cards other than A100, 2,048 on A100;

@@ -343,15 +343,8 @@ def test_a_bad_card_exits_2_with_one_line_naming_file_and_key(case, ext, tmp_pat
         path.write_text(json.dumps(card) if ext == "json" else toml_text(card))
     fresh = tmp_path / "fresh-cache"
     monkeypatch.setenv("ODMA_CACHE_DIR", str(fresh))
-    try:
-        code = main(["simulate", "--trace", small_trace, "--device", str(path)] + extra)
-    except SystemExit as exc:
-        code = exc.code
-    captured = capsys.readouterr()
-    err = captured.err.strip()
-    assert code == 2, err
-    assert len(err.splitlines()) == 1 and "Traceback" not in captured.err + captured.out
-    assert f"bad.{ext}" in err
+    err = refused_in_one_line(["simulate", "--trace", small_trace, "--device", str(path)] + extra,
+                              capsys, f"bad.{ext}")
     if key is not None:
         assert repr(key) in err, err
     assert not fresh.exists()                             # the emulator never ran

@@ -46,26 +46,14 @@ from allocator.serving import models  # noqa: E402
 from allocator.serving import torch_engine as te  # noqa: E402
 from allocator.serving.presets import model_from_config  # noqa: E402
 from allocator.trace import RequestTrace  # noqa: E402
-from odma_hw.cli import main  # noqa: E402
 from odma_hw.devices import torch_device  # noqa: E402
 from odma_hw.errors import BadArgument, RunFailed  # noqa: E402
+from test_inputs_robust import exit_code, one_line  # noqa: E402
 
 TINY = json.loads((models.CONFIG_DIR / "tiny-llama.json").read_text())
 HEADER = "num_prefill_tokens,num_decode_tokens\n"
 
 
-def exit_code(argv) -> int:
-    """The CLI's exit status, whether argparse or the command returned it."""
-    try:
-        return main(argv)
-    except SystemExit as exc:
-        return exc.code
-
-
-def one_line(capsys) -> str:
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1, err
-    return err
 
 
 def write(path, text) -> str:
@@ -486,7 +474,8 @@ def test_fuzzed_configs_end_in_0_2_or_3_with_one_line_through_every_command(
 
 
 def test_models_too_large_for_memory_are_refused_in_well_under_2_gb(tmp_path):
-    """With the machine's real free memory, in a child whose peak memory is its own: a
+    """With the machine's real free memory, in a child whose peak memory is its own (VmHWM, the
+    peak of its own address space: ru_maxrss would keep the parent's through the exec): a
     vocabulary of 10^9 (256 GB of embedding), 100,000 layers with a terabyte pool, an MLP of
     2^31 - 1 (each refused in one line before any weight)."""
     trace = write(tmp_path / "t.csv", HEADER + "5,3\n")
@@ -496,13 +485,14 @@ def test_models_too_large_for_memory_are_refused_in_well_under_2_gb(tmp_path):
                  ("l", dict(num_hidden_layers=100_000), ["--kv-pool-mb", "1e6"]),
                  ("f", dict(intermediate_size=2**31 - 1), []))]
     script = (
-        "import json, resource, sys\n"
+        "import json, sys\n"
         "from odma_hw.cli import main\n"
         "codes = [main(['engine', '--trace', sys.argv[1], '--model', m, '--policy', 'odma',"
         " *extra]) for m, extra in json.loads(sys.argv[2])]\n"
         "codes.append(main(['calibrate', '--model', json.loads(sys.argv[2])[0][0], '--out',"
         " sys.argv[3]]))\n"
-        "print(json.dumps([codes, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss]))\n")
+        "hwm = [l for l in open('/proc/self/status') if l.startswith('VmHWM:')][0]\n"
+        "print(json.dumps([codes, int(hwm.split()[1])]))\n")
     proc = subprocess.run([sys.executable, "-c", script, trace, json.dumps(cases),
                            str(tmp_path / "c.toml")], capture_output=True, text=True,
                           timeout=300)

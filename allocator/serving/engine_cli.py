@@ -166,7 +166,8 @@ def compute(args, results: list | None = None, failed: list | None = None) -> di
                 run = run_hf(model, prompts, p["gen"], p["arrivals"], max_batch=args.max_batch,
                              max_batched_tokens=args.max_num_batched_tokens,
                              concurrency=args.concurrency, progress=show,
-                         cuda_graphs={"auto": None, "on": True, "off": False}[args.cuda_graphs])
+                             cuda_graphs={"auto": None, "on": True,
+                                          "off": False}[args.cuda_graphs])
             else:
                 run = serve(model, prompts, p["gen"], p["arrivals"], policy,
                             pool_bytes=p["pool"], max_model_len=p["max_model_len"],
@@ -184,8 +185,8 @@ def compute(args, results: list | None = None, failed: list | None = None) -> di
             failed.append({"policy": policy, "error": " ".join(str(exc).split())})
             continue
         r = summarise(policy, run, settings)
-        r["attention"] = run.get("attention")         # hf: transformers' own
-        r["cuda_graphs"] = run.get("cuda_graphs")
+        r["attention"] = run.get("attention")       # hf: None (transformers' own)
+        r["cuda_graphs"] = run.get("cuda_graphs")   # hf: (varlen, decode) as it settled them
         # the KV the run kept its cache in: hf sizes its own, whatever --kv-pool-mb says
         r["kv_cache_mb"] = (run["allocator"]["cache_bytes"] / 1e6 if policy == "hf"
                             else p["pool"] / 1e6)

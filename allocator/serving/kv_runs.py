@@ -95,9 +95,6 @@ class KVPool:
             self._regions[i] = (key, value)
         return value
 
-    def forget(self, i) -> None:
-        self._regions.pop(i, None)
-
     def views(self, i, blk=None):
         """[(first token, tokens, view (layers, 2, kv_heads, cap, head_dim))] of request i's
         regions: what a migration or a swap copies, region by region."""

@@ -30,7 +30,6 @@ engine and `simulate` can differ in time, never in decisions.
 
 from __future__ import annotations
 
-import importlib
 import math
 import time
 
