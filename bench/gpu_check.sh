@@ -4,6 +4,13 @@
 # image lacks: cffi, pycparser, setuptools, wheel, packaging, transformers) and traces/ (the
 # request traces). Every step has its own limit under one deadline (BUDGET seconds); the log
 # goes to $OUT/log.txt and every step's output to $OUT/r.tgz.
+# Preparing .device/ on a machine with network (the GPU image has python 3.12, torch, triton,
+# numba, numpy, pytest, pytest-benchmark, safetensors and psutil; not cffi):
+#   echo /.device/ >> .git/info/exclude; mkdir -p .device && cp -r ../shared/traces .device/
+#   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+#     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+#     --platform manylinux2014_x86_64 -d .device/whl cffi==2.1.1 pycparser==3.12 \
+#     setuptools==84.2.1 wheel packaging transformers==5.24.0
 # Dry run on a CPU: DEV=torch:cpu SMALL=1 OUT=/tmp/gout bash bench/gpu_check.sh
 set -u
 : "${OUT:?set OUT to a results folder}" "${DEV:=torch:cuda:0}"

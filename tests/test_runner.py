@@ -51,8 +51,8 @@ def test_step_tables_address_each_token_where_its_block_holds_it(policy, page_to
             alloc.reserve(i, n, 4.0, 0.0)
             alloc.grow(i, n + 5)                     # several extents or pages, room past n
         tables = kv.step_tables(list(lengths.items()), [(i, 0, n) for i, n in lengths.items()])
-        runs = run_attention.RunTable(**{f: torch.from_numpy(getattr(tables, f)) for f in (
-            "run_start", "run_off", "run_cap", "run_len", "run_pos", "ctx_len")})
+        runs = run_attention.RunTable(**{f: torch.from_numpy(getattr(tables, f))
+                                         for f in run_attention.TABLE_FIELDS})
         runs.validate(kv.flat.numel(), kv.layers, kv.kv_heads, D)
         if policy == "paged":
             assert int(tables.run_start[2]) - int(tables.run_start[1]) == -(-23 // page_tokens)
@@ -154,3 +154,29 @@ def test_padded_decode_graph_steps_make_generates_tokens(monkeypatch):
                                               extent_knee_tokens=4, extent_max=4))
         assert run["tokens"] == reference, policy
         assert {3, 5} & set(replays), replays        # batches padded to 4 and 6
+
+
+def test_a_failed_capture_runs_eagerly_after_one_line():
+    """Where capture fails (here: no CUDA at all), the runner keeps no graphs and says so in one
+    line; its steps then run eagerly."""
+    import io
+
+    from allocator.serving import runner as runner_mod
+    from allocator.serving import torch_engine as te
+
+    cfg, _ = models.load_config("tiny-llama")
+    model = te.build_model(cfg, "float32", "cpu", seed=0)
+    bpt = models.kv_bytes_per_token(cfg, "float32")
+    alloc = make_allocator("odma", "torch:cpu", 200 * bpt, bpt, 64,
+                           AllocatorConfig(background_refresh=False))
+    try:
+        runner = runner_mod.Runner(model, KVPool(alloc, cfg, torch.float32, models.head_dim(cfg)))
+        warn = io.StringIO()
+        assert runner_mod.make_graphs(runner, 4, 16, warn=warn) is None
+        assert runner.graphs is None
+        lines = warn.getvalue().strip().splitlines()
+        assert len(lines) == 1 and "running eagerly" in lines[0], lines
+        alloc.reserve(0, 5, 2.0, 0.0)
+        assert runner.prefill([(0, [3, 4, 5, 6, 7])]).shape == (1, cfg.vocab_size)
+    finally:
+        alloc.close()

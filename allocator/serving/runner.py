@@ -28,8 +28,6 @@ import torch
 from allocator.serving import run_attention
 from allocator.serving.kv_runs import KVPool
 
-TABLE_FIELDS = ("run_start", "run_off", "run_cap", "run_len", "run_pos", "ctx_len")
-
 
 def graph_sizes(max_batch: int) -> list[int]:
     """The padded batch sizes decode graphs are captured for: 1, 2, 4, 8, then steps of 8."""
@@ -47,9 +45,7 @@ class Runner:
         self.backend = backend
         mod = importlib.import_module(type(model).__module__)
         self.rope = mod.apply_rotary_pos_emb
-        cfg = model.config
-        self.heads = cfg.num_attention_heads
-        self.kv_heads = cfg.num_key_value_heads
+        self.kv_heads = model.config.num_key_value_heads
         self.head_dim = kv.head_dim
         self.scale = self.head_dim ** -0.5
         self.device = next(model.parameters()).device
@@ -63,7 +59,8 @@ class Runner:
         return t.to(self.device, dtype, non_blocking=True)
 
     def _runs(self, tables):
-        return self.run_table(**{f: self._to_device(getattr(tables, f)) for f in TABLE_FIELDS})
+        return self.run_table(**{f: self._to_device(getattr(tables, f))
+                                 for f in run_attention.TABLE_FIELDS})
 
     def run_table(self, **tensors):
         """A RunTable of these device tensors, with what the kernels may assume of every table:
@@ -95,6 +92,7 @@ class Runner:
         return self.inner.norm(x)[0]
 
     def _decode_attend(self, runs, n_dec):
+        """attend() for the first n_dec rows of a step, decodes over `runs`."""
         def attend(layer, q, k, v):
             return run_attention.decode_attention(q[:n_dec], self.kv.flat, runs, layer,
                                                   self.kv_heads, self.head_dim, self.scale,
@@ -139,13 +137,12 @@ class Runner:
         longest_chunk = max(sizes[n_dec:n_dec + n_chunk], default=0)
         prompts = [(int(e - n), int(e)) for e, n, k in zip(ends, sizes, kinds) if k == 2]
         sdpa = torch.nn.functional.scaled_dot_product_attention
+        decode = self._decode_attend(runs_dec, n_dec)
 
         def attend(layer, q, k, v):
             o = torch.empty_like(q)
             if n_dec:
-                o[:n_dec] = run_attention.decode_attention(
-                    q[:n_dec], self.kv.flat, runs_dec, layer, self.kv_heads, self.head_dim,
-                    self.scale, backend=self.backend)
+                o[:n_dec] = decode(layer, q, k, v)
             if n_chunk:
                 o[chunk_rows] = run_attention.prefill_attention(
                     q[chunk_rows], self.kv.flat, runs_chunk, *chunk_q, layer, self.kv_heads,
@@ -172,11 +169,10 @@ class Runner:
 
     @staticmethod
     def _unorder(logits, order):
+        """The rows of a step run in `order` back in the batch's order."""
         if order == sorted(order):
             return logits
-        back = torch.empty(len(order), dtype=torch.int64)
-        back[torch.tensor(order)] = torch.arange(len(order))
-        return logits[back.to(logits.device)]
+        return logits[torch.from_numpy(np.argsort(order)).to(logits.device)]
 
 
 class DecodeGraphs:
