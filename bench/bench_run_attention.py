@@ -39,6 +39,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from allocator.serving import run_attention as ra  # noqa: E402
+from allocator.serving import run_kernels as rk  # noqa: E402
 
 GEOMETRIES = {                       # name: (kv heads, query heads, head_dim)
     "qwen2.5-0.5b": (2, 14, 64),
@@ -138,8 +139,8 @@ def measure(geometry: str, batch: int, context: int, layout: str, *, device="cud
     return dict(geometry=geometry, batch=batch, context=context, layout=layout,
                 backend=backend, kv_bytes=kv_bytes, seconds=seconds,
                 kv_gbps=kv_bytes / seconds / 1e9, runs_per_request=len(runs.run_off) // batch,
-                splits=num_splits or ra.decode_splits(batch, kvh, context, device),
-                method=method, config=config or ra._decode_config(d, dtype))
+                splits=num_splits or rk.decode_splits(batch, kvh, context, device),
+                method=method, config=config or rk._decode_config(d, dtype))
 
 
 @functools.lru_cache(maxsize=None)
@@ -180,7 +181,7 @@ def test_dry_run_cpu(benchmark):
 # ----------------------------------------------------------------------------- tuning sweep
 def sweep() -> None:
     """GB/s of decode tile configurations over the layouts (CUDA), for _decode_config."""
-    configs = [dict(BLOCK_N=n, num_warps=w, num_stages=s, MIN_SPLIT=ra.MIN_SPLIT_TOKENS)
+    configs = [dict(BLOCK_N=n, num_warps=w, num_stages=s, MIN_SPLIT=rk.MIN_SPLIT_TOKENS)
                for n in (32, 64, 128) for w in (4, 8) for s in (1, 3)]
     for geometry in GEOMETRIES:
         for batch, context in SHAPES:
@@ -210,7 +211,7 @@ def splits() -> None:
                     row.append(f"S{s} {m['kv_gbps']:.0f}")
                 kvh = GEOMETRIES[geometry][0]
                 print(f"{geometry} {batch}x{context} {layout} (decode_splits "
-                      f"{ra.decode_splits(batch, kvh, context, 'cuda')}): {', '.join(row)}",
+                      f"{rk.decode_splits(batch, kvh, context, 'cuda')}): {', '.join(row)}",
                       flush=True)
 
 

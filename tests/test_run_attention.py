@@ -27,6 +27,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from allocator.serving import run_attention as ra  # noqa: E402
+from allocator.serving import run_kernels as rk  # noqa: E402
 from odma_hw.errors import BadArgument  # noqa: E402
 
 LAYERS = 2
@@ -318,7 +319,7 @@ def test_triton_defaults(tri):
     no max_q_len."""
     sc = scenario("pages16", 2, 3, 16, torch.bfloat16, tri, seed=3)
     sc.runs.max_context = 600
-    assert ra.decode_splits(len(CTXS), 2, 600) == 3
+    assert rk.decode_splits(len(CTXS), 2, 600) == 3
     gen = torch.Generator().manual_seed(9)
     q = torch.randn(len(CTXS), 6, 16, generator=gen).to(torch.bfloat16).to(tri)
     got = ra.decode_attention(q, sc.pool, sc.runs, LAYER, 2, 16, 0.25, backend="triton")
@@ -455,11 +456,11 @@ def test_attention_backend(monkeypatch):
     assert ra.attention_backend("cuda", "torch") == "torch"
     with pytest.raises(BadArgument):
         ra.attention_backend("cpu", "flash")
-    monkeypatch.setattr(ra, "_triton_available", lambda: False)
+    monkeypatch.setattr(ra, "triton_available", lambda: False)
     assert ra.attention_backend("cuda") == "torch"
     with pytest.raises(BadArgument, match="triton"):
         ra.attention_backend("cuda", "triton")
-    monkeypatch.setattr(ra, "_triton_available", lambda: True)
+    monkeypatch.setattr(ra, "triton_available", lambda: True)
     assert ra.attention_backend("cuda") == "triton"
     assert ra.attention_backend("cuda", "triton") == "triton"
     monkeypatch.setenv("TRITON_INTERPRET", "0")
@@ -472,10 +473,10 @@ def test_attention_backend(monkeypatch):
 def test_decode_splits_fixed():
     """The split count depends on batch, heads and device (and the optional bound), never on
     a step's contexts."""
-    assert ra.decode_splits(1, 1) == ra.MAX_SPLITS
-    assert ra.decode_splits(64, 8) == 1
-    assert ra.decode_splits(1, 1, max_context=300) == 2
-    assert all(1 <= ra.decode_splits(b, h) <= ra.MAX_SPLITS for b in (1, 7, 64) for h in (1, 8))
+    assert rk.decode_splits(1, 1) == rk.MAX_SPLITS
+    assert rk.decode_splits(64, 8) == 1
+    assert rk.decode_splits(1, 1, max_context=300) == 2
+    assert all(1 <= rk.decode_splits(b, h) <= rk.MAX_SPLITS for b in (1, 7, 64) for h in (1, 8))
 
 
 def test_validate_rejects_bad_tables():
