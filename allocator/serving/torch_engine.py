@@ -148,8 +148,8 @@ def serve(model, prompts: list, gen: list, arrivals, policy: str, *, pool_bytes:
     bpt = kv_bytes_per_token(model.config, str(dtype).removeprefix("torch."))
     check_scheduling(max_batch, max_batched_tokens, concurrency, preemption=preemption,
                      swap_bytes=swap_bytes, cobatch=cobatch)
-    alloc = make_allocator(policy, spec, pool_bytes, bpt, max_model_len,
-                           config or AllocatorConfig(background_refresh=False),
+    config = config or AllocatorConfig(background_refresh=False)
+    alloc = make_allocator(policy, spec, pool_bytes, bpt, max_model_len, config,
                            page_tokens=page_tokens)
     try:
         kv = KVPool(alloc, model.config, dtype, head_dim(model.config))
@@ -165,20 +165,17 @@ def serve(model, prompts: list, gen: list, arrivals, policy: str, *, pool_bytes:
         sched.swap_in = lambda i, r, tokens: kv.load(i, host.pop(i))
         runner = Runner(model, kv, backend)
         if graphs:
-            per_request = (-(-max_model_len // kv.page_tokens) if kv.page_tokens is not None
-                           else MAX_GRAPH_EXTENTS)
-            make_graphs(runner, max_batch, max_batch * per_request)
+            # the most runs a request can have: one per page, or one per extent of whole token
+            # alignments and one shorter at the max model length (a step with more runs, if
+            # any, is run eagerly)
+            unit = kv.page_tokens if kv.page_tokens is not None else config.token_alignment
+            make_graphs(runner, max_batch, max_batch * (-(-max_model_len // unit) + 1))
         out = _Serving(runner, sched, prompts, keep_logits).run(progress)
         out["attention"] = backend
         out["cuda_graphs"] = runner.graphs is not None
         return out
     finally:
         alloc.close()
-
-
-# runs per request the decode graphs' static run tables hold for block and extent policies (a
-# step with more, an extent block that found no room to merge, runs eagerly)
-MAX_GRAPH_EXTENTS = 64
 
 
 def use_graphs(cuda_graphs: str, device, backend: str) -> bool:
