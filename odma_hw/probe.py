@@ -326,8 +326,17 @@ class ProbeResult:
             "details": self.details,
             "measurements": [dict(dataclasses.asdict(m), gbps=m.gbps, median_gbps=m.median_gbps)
                              for m in self.measurements],
+            **self._measures(),
             **added,
         }
+
+    def _measures(self) -> dict:
+        """What the figures are, where the device says they are not the memory's own rate (a
+        torch device: torch's kernels; the native device that reads the memory instead)."""
+        if not self.details.get("measures"):
+            return {}
+        return {"measures": self.details["measures"],
+                "native_device": self.details.get("native_device")}
 
 
 def classify(ratio: float, alpha: float, seq_scaling: dict[int, float],
@@ -663,6 +672,8 @@ def format_table(results: list[ProbeResult]) -> str:
                      f"decision granule ({PAPER_GRANULES}); {r.knee_text()}")
         if r.kv_run:
             lines.append(f"{r.device}: {r.kv_run['summary']} [{r.kv_run['basis']}]")
+        if r.details.get("measures"):
+            lines.append(f"{r.device}: measures {r.details['measures']}")
     lines.append("GB = 1e9 B; copy counts read + write; random counts granule x accesses; "
                  "ratio = random/sequential at the decision granule")
     return "\n".join(lines)

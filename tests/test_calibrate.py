@@ -285,7 +285,8 @@ def no_measuring(monkeypatch):
     """Any measurement fails the test: a refusal must come first."""
     def refuse(*args, **kwargs):
         raise AssertionError("measured before refusing")
-    for name in ("measure_bandwidth", "matmul_tflops", "measure_steps"):
+    for name in ("measure_bandwidth", "measure_native_bandwidth", "matmul_tflops",
+                 "measure_steps"):
         monkeypatch.setattr(cal, name, refuse)
 
 
@@ -345,6 +346,17 @@ def measured_instantly(monkeypatch):
                 "runs_in_order_gbps": runs, "buffer_bytes": effort.buffer_bytes or 1 << 28,
                 "reps": effort.bandwidth_reps, "method": "fake"}
 
+    def native(spec, effort, torch_name=None):
+        # the native probe's figures: a memory that reads 256 B runs at full speed
+        runs = {s: 20.0 * min(1.0, s / 256) for s in effort.run_sizes}
+        return {"device": spec, "seq_gbps": 20.0, "copy_gbps": 18.0, "runs_gbps": runs,
+                "runs_in_order_gbps": {}, "buffer_bytes": 1 << 30,
+                "reps": effort.bandwidth_reps, "method": "fake native", "memory": "native",
+                "native_device": spec, "source": f"native probe of {spec} (fake-gather)",
+                "probe_entry": {"device": spec, "kind": "host", "seq_gbps": 20.0,
+                                "copy_gbps": 18.0,
+                                "rand_gbps": {str(s): v for s, v in runs.items()}}}
+
     def matmul(torch, device, dtype, rows_list, products, effort, seed):
         by_rows = {r: 0.01 * math.sqrt(r) for r in rows_list}
         return by_rows, {shape: dict(by_rows) for shape in products}
@@ -359,13 +371,14 @@ def measured_instantly(monkeypatch):
                             "step_q3_s": t})
         return out
     monkeypatch.setattr(cal, "measure_bandwidth", bandwidth)
+    monkeypatch.setattr(cal, "measure_native_bandwidth", native)
     monkeypatch.setattr(cal, "matmul_tflops", matmul)
     monkeypatch.setattr(cal, "measure_steps", steps)
 
 
-def calibrate_to(out) -> dict:
+def calibrate_to(out, *more) -> dict:
     rc, stdout, err = run(["calibrate", "--quick", "--quiet", "--json", "--model", "tiny-llama",
-                           "--out", str(out)])
+                           "--out", str(out), *more])
     assert rc == 0, err
     return json.loads(stdout)
 
@@ -437,8 +450,147 @@ def test_a_figure_no_card_may_hold_is_a_device_error_and_writes_nothing(
     def absurd(spec, effort, seed):
         return dict(real(spec, effort, seed), seq_gbps=1e300)
     monkeypatch.setattr(cal, "measure_bandwidth", absurd)
+    monkeypatch.setattr(cal, "measure_native_bandwidth", no_native)
     rc, out, err = run(["calibrate", "--quick", "--quiet", "--model", "tiny-llama",
                         "--out", str(tmp_path / "c.toml")])
     assert rc == 3 and out == "" and len(err.strip().splitlines()) == 1, err
     assert "'bandwidth_gbps'" in err
     assert os.listdir(tmp_path) == []
+
+
+# ----------------------------------------------------------------------------- whose memory figures
+# issue 27: torch's gather (index_select) is not the memory's rate (an H100 card from it held
+# HBM3 random-access-constrained at every run size); the engine reads its KV through its own
+# kernels, which read as the native probe's do, so a card takes the native probe's figures
+# where there is one (torch:cpu -> host, torch:cuda:N -> cuda:N, torch:mlu:N -> mlu:N)
+def no_native(*args, **kwargs):
+    from odma_hw.errors import DeviceUnavailable
+
+    raise DeviceUnavailable("native shim not built (a test's stand-in)")
+
+
+def card_of(path) -> dict:
+    if str(path).endswith(".json"):
+        with open(path) as f:
+            return json.load(f)
+    with open(path, "rb") as f:
+        return tomllib.load(f)
+
+
+def test_torch_cpu_takes_its_memory_figures_from_the_host_native_probe_by_default(
+        tmp_path, measured_instantly):
+    result = calibrate_to(tmp_path / "c.toml")
+    bw = result["bandwidth"]
+    assert result["memory"] == "auto"
+    assert bw["memory"] == "native" and bw["native_device"] == "host"
+    assert bw["source"] == "native probe of host (fake-gather)" and bw["fallback"] is None
+    assert bw["seq_gbps"] == 20.0 and bw["runs_gbps"]["256"] == 20.0   # the native figures
+    card = card_of(tmp_path / "c.toml")
+    assert card["bandwidth_gbps"] == 20.0
+    assert "native probe of host (fake-gather)" in card["source"]
+    assert "memory figures: native probe of host" in (tmp_path / "c.toml").read_text()
+    with open(tmp_path / "c.probe.json") as f:
+        (entry,) = json.load(f)["devices"]
+    assert entry["device"] == "host" and entry["measured_for"] == "torch:cpu"
+    assert entry["memory_source"] == "native probe of host (fake-gather)"
+    from allocator.serving.timing import probe_timing
+
+    assert probe_timing(str(tmp_path / "c.probe.json")).seq_gbps == 20.0
+    rc, out, err = run(["calibrate", "--quick", "--quiet", "--model", "tiny-llama",
+                        "--out", str(tmp_path / "d.toml")])
+    assert rc == 0, err
+    assert "memory figures: native probe of host (fake-gather) (--memory auto)" in out
+
+
+def test_memory_torch_keeps_torchs_gather(tmp_path, measured_instantly):
+    result = calibrate_to(tmp_path / "c.json", "--memory", "torch")
+    bw = result["bandwidth"]
+    assert result["memory"] == "torch"
+    assert bw["memory"] == "torch" and bw["source"] == "torch gather (index_select)"
+    assert bw["seq_gbps"] == 10.0 and bw["fallback"] is None            # the torch figures
+    card = card_of(tmp_path / "c.json")
+    assert card["bandwidth_gbps"] == 10.0 and "torch gather (index_select)" in card["source"]
+    with open(tmp_path / "c.probe.json") as f:
+        (entry,) = json.load(f)["devices"]
+    assert entry["device"] == "torch:cpu"
+    assert entry["memory_source"] == "torch gather (index_select)"
+    assert entry["measures"].startswith("torch gather (index_select)")
+
+
+@pytest.mark.parametrize("failure", ["absent", "fails"])
+def test_a_native_backend_that_is_absent_or_fails_falls_back_to_torch_in_one_line(
+        tmp_path, measured_instantly, monkeypatch, failure):
+    from odma_hw.devices import host
+
+    def broken(arg=""):
+        if failure == "absent":
+            no_native()
+        raise RuntimeError("the shim fell over")
+    # the real native path, its device refusing to open
+    monkeypatch.setattr(cal, "measure_native_bandwidth", REAL_NATIVE)
+    monkeypatch.setattr(host, "open_device", broken)
+    rc, out, err = run(["calibrate", "--quick", "--json", "--model", "tiny-llama",
+                        "--out", str(tmp_path / "c.toml")])
+    assert rc == 0, err
+    said = [line for line in err.splitlines() if "native probe of host failed" in line]
+    assert len(said) == 1 and "torch gather (index_select) instead" in said[0], err
+    bw = json.loads(out)["bandwidth"]
+    assert bw["memory"] == "torch" and bw["seq_gbps"] == 10.0
+    assert bw["fallback"] and bw["source"].startswith("torch gather (index_select) (the native")
+    assert "native probe of host failed" in card_of(tmp_path / "c.toml")["source"]
+
+
+def test_memory_native_that_fails_is_an_error_in_one_line_and_writes_nothing(
+        tmp_path, measured_instantly, monkeypatch):
+    monkeypatch.setattr(cal, "measure_native_bandwidth", no_native)
+    rc, out, err = run(["calibrate", "--quick", "--quiet", "--model", "tiny-llama",
+                        "--memory", "native", "--out", str(tmp_path / "c.toml")])
+    assert rc == 2 and out == "" and len(err.strip().splitlines()) == 1, err
+    assert "native shim not built" in err
+    assert os.listdir(tmp_path) == []
+
+
+def test_memory_native_without_the_native_backend_is_refused_before_measuring(
+        tmp_path, no_measuring, monkeypatch):
+    from odma_hw.devices import host
+
+    monkeypatch.setattr(host, "open_device", no_native)
+    err = refused(["calibrate", "--memory", "native", "--out", str(tmp_path / "c.toml")],
+                  tmp_path)
+    assert "native shim not built" in err
+
+
+def test_a_bad_memory_value_is_refused_in_one_line(tmp_path, no_measuring):
+    err = refused(["calibrate", "--memory", "dram", "--out", str(tmp_path / "c.toml")],
+                  tmp_path)
+    assert "--memory" in err and "'dram'" in err
+
+
+def test_which_native_device_measures_each_memory():
+    assert cal.memory_plan("torch:cpu", "auto") == "host"
+    assert cal.memory_plan("torch:cuda:1", "native") == "cuda:1"
+    assert cal.memory_plan("torch:mlu:0", "auto") == "mlu:0"
+    assert cal.memory_plan("torch:cuda:0", "torch") is None
+    assert cal.memory_plan("torch:xpu:0", "auto") is None         # no native backend: torch
+    with pytest.raises(cal.BadArgument, match="no native backend"):
+        cal.memory_plan("torch:xpu:0", "native")
+    with pytest.raises(cal.BadArgument, match="--memory"):
+        cal.memory_plan("torch:cpu", "hbm")
+
+
+def test_the_real_quick_calibration_names_the_host_native_probe(calibrated):
+    from odma_hw import native
+
+    if not native.available():
+        pytest.skip(f"no native shim here: {native.IMPORT_ERROR}")
+    folder, result, err = calibrated
+    bw = result["bandwidth"]
+    assert bw["memory"] == "native" and bw["source"].startswith("native probe of host (")
+    assert set(bw["runs_gbps"]) == {str(s) for s in cal.QUICK.run_sizes}
+    with open(folder / "card.probe.json") as f:
+        (entry,) = json.load(f)["devices"]
+    assert entry["device"] == "host" and entry["memory_source"] == bw["source"]
+    assert "(the native probe of host)" in err.splitlines()[0]
+
+
+REAL_NATIVE = cal.measure_native_bandwidth

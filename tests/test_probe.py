@@ -292,6 +292,31 @@ def test_probe_table_prints_a_verdict_per_device():
     assert "torch:cpu" in r.stdout and any(v in r.stdout for v in ("racm", "inconclusive"))
 
 
+def test_a_torch_devices_probe_says_it_measures_torchs_gather_and_names_the_native_device():
+    # issue 27: torch's index_select is not the memory's rate (an H100's HBM3 read as RACM at
+    # every run size); the output says so, in the JSON and in a line under the table
+    r = run_cli("probe", "--device", "torch:cpu", "--granularity", "64", "--json", *SMALL)
+    assert r.returncode == 0, r.stderr
+    (dev,) = json.loads(r.stdout)["devices"]
+    assert dev["measures"].startswith("torch gather (index_select)")
+    assert "not the memory's rate" in dev["measures"]
+    assert dev["native_device"] == "host" and "probe --device host" in dev["measures"]
+    r = run_cli("probe", "--device", "torch:cpu", "--granularity", "64", *SMALL)
+    assert r.returncode == 0, r.stderr
+    (line,) = [x for x in r.stdout.splitlines() if x.startswith("torch:cpu: measures ")]
+    assert "torch gather (index_select)" in line and "probe --device host" in line
+
+
+@pytest.mark.parametrize("spec,native", [("torch:cpu", "host"), ("cpu", "host"),
+                                         ("torch:cuda", "cuda:0"), ("torch:cuda:3", "cuda:3"),
+                                         ("torch:mlu:1", "mlu:1"), ("torch:xpu:0", None),
+                                         ("torch:meta", None), ("torch:cuda:x", None)])
+def test_the_native_device_behind_a_torch_device(spec, native):
+    from odma_hw.devices.torch_device import native_spec
+
+    assert native_spec(spec) == native
+
+
 def test_devices_lists_every_backend_with_reason_when_absent():
     r = run_cli("devices", "--json")
     assert r.returncode == 0, r.stderr

@@ -4,10 +4,16 @@
 What it measures, in this order (each phase prints one progress line on stderr):
 
 1. bandwidth: reads of random contiguous runs of S bytes (64 B .. 4 MiB), one long read and a
-   streaming copy, through torch on the device (allocator/serving/live.py,
-   measure_run_bandwidth). Written beside the card as an `odma-hw probe --json` document
-   (CARD.probe.json); the card's timing is `probe:CARD.probe.json` and its bandwidth_gbps the
-   sequential figure.
+   streaming copy of the device's memory. By default (--memory auto) odma-hw's native probe
+   measures them on the native device behind the torch device (torch:cpu -> host,
+   torch:cuda:N -> cuda:N, torch:mlu:N -> mlu:N; measure_native_bandwidth), as the engine's
+   own attention kernels read as those kernels do; where there is no native backend, or it is
+   absent or fails here, torch's gather (index_select) measures them (measure_bandwidth,
+   allocator/serving/live.py's measure_run_bandwidth), and one line says so. --memory native
+   or torch picks one. Written beside the card as an `odma-hw probe --json` document
+   (CARD.probe.json, its "memory_source" naming what measured it); the card's timing is
+   `probe:CARD.probe.json`, its bandwidth_gbps the sequential figure, and its source (and the
+   output) say which measured them.
 2. matmul throughput: F.linear over every shape of --model's matrix products (q, k, v, o, the
    gated MLP's three, the LM head) at the engine's dtype, weights cycled through enough copies
    to come from memory, not a cache; at each row count, all the products' FLOPs over the time
@@ -293,18 +299,114 @@ def _synchronizer(torch, device):
 
 
 def measure_bandwidth(spec: str, effort: Effort, seed: int) -> dict:
-    """Run-read, sequential and copy bandwidth through torch on the device.
-
-    Why torch's and not the native shim's (`odma-hw probe --device host`): the engine reads its
-    KV and weights through torch kernels on this torch device, so their bandwidth is what a
-    step sees. The shim measures the same DRAM with its own hand-written loops on pinned
-    threads, which reach figures torch's kernels do not (on this 2-core VM random 64 B reads at
-    11 GB/s against torch's 3 to 4), and it cannot see a GPU's or an MLU's memory through torch
-    at all."""
+    """Run-read, sequential and copy bandwidth through torch on the device: random runs gathered
+    by index_select, torch's sum and copy_ (allocator/serving/live.py, measure_run_bandwidth).
+    What --memory torch measures, and what auto falls back to; see measure_memory for why the
+    native probe is preferred."""
     from allocator.serving.live import measure_run_bandwidth
 
     return measure_run_bandwidth(spec, list(effort.run_sizes), buffer_bytes=effort.buffer_bytes,
                                  reps=effort.bandwidth_reps, seed=seed)
+
+
+def measure_native_bandwidth(native: str, effort: Effort, torch_name: str | None = None) -> dict:
+    """Run-read, sequential and copy bandwidth of the memory behind a torch device, measured by
+    odma-hw's native probe on `native` (host, cuda:N, mlu:N): the measurement `odma-hw probe
+    --device NATIVE --granularity <the run sizes>` makes (odma_hw.probe.plan_probe and run_plan:
+    the device's default working sets, every host thread on host, effort.bandwidth_reps
+    repetitions), its random reads at each of effort.run_sizes. `torch_name`: the torch
+    device's name, which the native device must share (the same ordinal names the same card to
+    both), else DeviceUnavailable. DeviceUnavailable, DeviceError or BadArgument
+    when the native backend is absent or refuses."""
+    from odma_hw import devices, probe
+
+    with devices.open(native) as d:
+        if torch_name is not None and d.info.name != torch_name:
+            raise DeviceUnavailable(f"{native} is {d.info.name!r}, not the torch device's "
+                                    f"{torch_name!r}")
+        plan = probe.plan_probe(d, granularities=effort.run_sizes,
+                                reps=effort.bandwidth_reps)
+        result = probe.run_plan(plan)
+    by_granule = {(m.pattern, m.granule, m.threads): m for m in result.measurements}
+    method = by_granule[("rand", effort.run_sizes[0], result.threads)].method
+    kernel = method.split(" (")[0]
+    return {"device": native, "seq_gbps": result.seq_gbps, "copy_gbps": result.copy_gbps,
+            "runs_gbps": {s: result.rand_gbps[s] for s in effort.run_sizes},
+            "runs_in_order_gbps": {}, "buffer_bytes": int(result.buffer_bytes),
+            "reps": effort.bandwidth_reps,
+            "method": (f"odma-hw probe of {native}: " + "; ".join(
+                f"{pattern}: {m.method}" for pattern, m in (
+                    ("runs", by_granule[("rand", effort.run_sizes[0], result.threads)]),
+                    ("seq", by_granule[("read", 64, result.threads)]),
+                    ("copy", by_granule[("copy", 64, result.threads)])))
+                       + f"; {result.threads} thread(s), median of {effort.bandwidth_reps}"),
+            "memory": "native", "native_device": native,
+            "source": f"native probe of {native} ({kernel})",
+            "probe_entry": result.to_json()}
+
+
+TORCH_SOURCE = "torch gather (index_select)"
+MEMORY_MODES = ("auto", "native", "torch")
+
+
+def memory_plan(spec: str, mode: str) -> str | None:
+    """The native device whose probe gives the card's memory figures under --memory `mode` for
+    torch device `spec` (None: torch's own gather measures them). BadArgument for an unknown
+    mode, or --memory native where odma-hw has no native backend for that memory."""
+    from odma_hw.devices.torch_device import native_spec
+
+    if mode not in MEMORY_MODES:
+        raise BadArgument(f"unknown --memory {mode!r}: expected one of {', '.join(MEMORY_MODES)}")
+    if mode == "torch":
+        return None
+    native = native_spec(spec)
+    if native is None and mode == "native":
+        raise BadArgument(f"--memory native: odma-hw has no native backend for {spec}'s memory "
+                          f"(it has host, cuda:N, mlu:N); use --memory torch")
+    return native
+
+
+def measure_memory(dev: dict, mode: str, effort: Effort, seed: int, show) -> dict:
+    """The card's memory figures (measure_bandwidth's dict, plus "memory": native or torch,
+    "source": what measured them, "native_device" and "fallback": why a native probe the mode
+    asked for was not used, or None).
+
+    Why the native probe by default: the engine reads its KV through its own run-table attention
+    kernels (Triton on CUDA), not through a torch gather, and those read as the native probe's
+    hand-written kernels do: on an H100 (issue 27) contiguous KV at 0.82-0.90 of the native
+    probe's sequential 3,059 GB/s and 16-token pages at 0.87-0.95 of it, while torch's
+    index_select read every run from 1 KiB to 4 MiB at 0.29-0.31 of streaming, so a card from
+    torch's gather believed HBM3 random-access-constrained at every size. Torch's gather is
+    still what --memory torch measures, and what auto falls back to, in one line on `show`,
+    where there is no native backend for the device's memory (a torch device type odma-hw has
+    no shim for) or it is absent or fails here (no native shim built, no driver)."""
+    native = memory_plan(dev["spec"], mode)
+    fallback = None
+    if native is not None:
+        try:
+            # a CUDA ordinal names the same card to torch and to the driver unless
+            # CUDA_DEVICE_ORDER differs between them: the names tell
+            bw = measure_native_bandwidth(
+                native, effort, dev["name"] if dev["device"].type == "cuda" else None)
+            return dict(bw, fallback=None)
+        except KeyboardInterrupt:
+            raise
+        except Exception as exc:          # noqa: BLE001 - any failure of the probe: torch instead
+            if mode == "native":
+                if isinstance(exc, (BadArgument, DeviceUnavailable, DeviceError)):
+                    raise
+                raise DeviceError(f"the native probe of {native} failed: "
+                                  f"{type(exc).__name__}: {exc}") from None
+            fallback = " ".join(f"{exc}".split()) or type(exc).__name__
+            show(f"calibrate {dev['spec']}: the native probe of {native} failed ({fallback}): "
+                 f"memory figures from {TORCH_SOURCE} instead")
+    elif mode == "auto":
+        fallback = f"odma-hw has no native backend for {dev['spec']}'s memory"
+    bw = measure_bandwidth(dev["spec"], effort, seed)
+    return dict(bw, memory="torch", native_device=native, fallback=fallback,
+                source=TORCH_SOURCE + (f" (the native probe of {native} failed: {fallback})"
+                                       if native and fallback else
+                                       f" ({fallback})" if fallback else ""))
 
 
 def matmul_tflops(torch, device, dtype, rows_list, products: dict, effort: Effort,
@@ -564,10 +666,17 @@ def check_card(path: str, text: str) -> None:
 
 def probe_document(dev: dict, bw: dict, run_sizes) -> dict:
     """The bandwidths as `odma-hw probe --json` writes a device (allocator/serving/timing.py,
-    probe_timing, reads rand_gbps, seq_gbps and copy_gbps); no RACM verdict, which needs the
-    probe's saturation checks."""
+    probe_timing, reads rand_gbps, seq_gbps and copy_gbps). From the native probe: its own
+    entry (the native device, with its verdict), plus what it was measured for; from torch's
+    gather: an entry of the torch device, with no RACM verdict, which needs the probe's
+    saturation checks. Either way "memory_source" names what measured the figures."""
     import odma_hw
 
+    if bw.get("memory") == "native" and bw.get("probe_entry"):
+        return {"schema": PROBE_SCHEMA, "devices": [dict(
+            bw["probe_entry"], measured_for=dev["spec"], memory_source=bw["source"],
+            measured_by="odma-hw calibrate (the native probe of the memory behind "
+                        f"{dev['spec']})")]}
     runs = {str(s): float(bw["runs_gbps"][s]) for s in run_sizes}
     seq = float(bw["seq_gbps"])
     return {"schema": PROBE_SCHEMA, "devices": [{
@@ -580,6 +689,9 @@ def probe_document(dev: dict, bw: dict, run_sizes) -> dict:
                   "no saturation check: classify the device with odma-hw probe",
         "runs_in_order_gbps": {str(s): float(bw["runs_in_order_gbps"][s]) for s in run_sizes},
         "buffer_bytes": int(bw["buffer_bytes"]), "reps": int(bw["reps"]),
+        "memory_source": bw.get("source", TORCH_SOURCE), "measures": TORCH_SOURCE + (
+            ", torch sum and copy_: the rate torch's kernels reach on this memory, not the "
+            "memory's rate"),
         "convention": "GB = 1e9 B; copy counts read + write; random counts run bytes x runs",
         "details": {"method": bw["method"], "odma_hw": odma_hw.__version__}}]}
 
@@ -599,12 +711,22 @@ def check(args) -> dict:
     if not 1 <= args.prefill_tokens <= MAX_PREFILL_TOKENS:
         raise BadArgument(f"--prefill-tokens must be in [1, {MAX_PREFILL_TOKENS}], got "
                           f"{args.prefill_tokens}")
+    memory = getattr(args, "memory", "auto")
+    if memory not in MEMORY_MODES:
+        raise BadArgument(f"unknown --memory {memory!r}: expected one of "
+                          f"{', '.join(MEMORY_MODES)}")
     card, probe = card_paths(args.out)
     load_config(args.model)              # a model the engine runs
     load_config(FIT_MODEL)
     spec = model_spec(args.model)
     dev = open_torch_device(args.device)
     dtype = engine_dtype(dev["device"].type, args.dtype)
+    native = memory_plan(dev["spec"], memory)     # --memory native needs a native backend...
+    if memory == "native":
+        from odma_hw import devices
+
+        with devices.open(native):                 # ... that is here (auto falls back instead)
+            pass
     # the largest product's measurement, before any of its weights exists (the model's own
     # weights are never built: the products are timed one at a time)
     rows = max(args.prefill_tokens, *FULL.decode_rows)
@@ -612,7 +734,7 @@ def check(args) -> dict:
                   matmul_bytes(spec.decode_products, rows, DTYPES[dtype])},
                  dev["free_bytes"], dev["spec"])
     return {"card": card, "probe": probe, "device": dev, "dtype": dtype,
-            "products": spec.decode_products, "layers": spec.layers}
+            "products": spec.decode_products, "layers": spec.layers, "memory": memory}
 
 
 def calibrate(args, progress=None) -> dict:
@@ -630,11 +752,13 @@ def calibrate(args, progress=None) -> dict:
     show = progress or (lambda text: None)
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
 
+    native = memory_plan(dev["spec"], p["memory"])
     show(f"calibrate {dev['spec']}: bandwidth of random runs of "
-         f"{_bytes(effort.run_sizes[0])} .. {_bytes(effort.run_sizes[-1])}, sequential read, copy")
+         f"{_bytes(effort.run_sizes[0])} .. {_bytes(effort.run_sizes[-1])}, sequential read, copy"
+         f" ({'the native probe of ' + native if native else TORCH_SOURCE})")
     other = {}
     load = OtherLoad()
-    bw = measure_bandwidth(dev["spec"], effort, args.seed)
+    bw = measure_memory(dev, p["memory"], effort, args.seed, show)
     other["bandwidth"] = load.share()
     timing = MeasuredTiming(f"probe:{dev['spec']}", bw["runs_gbps"], bw["seq_gbps"],
                             bw["copy_gbps"])
@@ -694,7 +818,7 @@ def calibrate(args, progress=None) -> dict:
     probe_name = os.path.basename(p["probe"])
     source = (
         f"odma-hw calibrate on {dev['spec']} ({dev['name']}), torch {torch.__version__}, {when}. "
-        f"Bandwidth: torch reads of random runs, sequential read and copy "
+        f"Bandwidth (memory: {bw['source']}): reads of random runs, sequential read and copy "
         f"({probe_name}). Matmul {dtype} over {args.model}'s layer and LM-head shapes, each "
         f"weighed by the time a step spends in it, at {args.prefill_tokens} rows: "
         f"{peak:.4g} TFLOPS (mfu 1: the engine's matrix products reach this)"
@@ -724,7 +848,7 @@ def calibrate(args, progress=None) -> dict:
                    "link_latency_us": LINK_LATENCY_US_PLACEHOLDER,
                    **over, "source": source})
     comments = {
-        "bandwidth_gbps": ["sequential read through torch, GB/s (1e9 B/s)"],
+        "bandwidth_gbps": [f"sequential read, GB/s (1e9 B/s); memory figures: {bw['source']}"],
         "capacity_gb": ["the device's whole memory, GB" + (" (host memory)" if
                                                           dev["device"].type == "cpu" else "")],
         "tflops_bf16": [f"matmul throughput of {args.model}'s products at "
@@ -733,7 +857,7 @@ def calibrate(args, progress=None) -> dict:
         "matmul_tflops": [f"{dtype} matmul throughput by rows (tokens) in the products, TFLOPS, "
                           f"over {args.model}'s", "shapes, each as often as a step runs it: a "
                           "step's compute runs at its row count's"],
-        "timing": ["run-read bandwidth by run size, measured with the card"],
+        "timing": [f"run-read bandwidth by run size, measured with the card ({bw['source']})"],
         "link_gbps": ["placeholders, NOT measured (one device has no peer): PCIe 4.0 x16 per",
                       "direction and a 10 us hop; they matter only for simulate --tp > 1"],
         "layer_overhead_us": ["fitted overheads, microseconds per step: per layer (with the step's",
@@ -757,12 +881,15 @@ def calibrate(args, progress=None) -> dict:
     return {
         "schema": SCHEMA, "card": p["card"], "probe": p["probe"], "device": dev["spec"],
         "device_name": dev["name"], "dtype": dtype, "quick": bool(args.quick),
+        "memory": p["memory"],
         "model": args.model, "card_values": values,
         "bandwidth": {"seq_gbps": float(bw["seq_gbps"]), "copy_gbps": float(bw["copy_gbps"]),
                       "runs_gbps": {str(s): float(v) for s, v in bw["runs_gbps"].items()},
                       "runs_in_order_gbps": {str(s): float(v)
                                              for s, v in bw["runs_in_order_gbps"].items()},
-                      "buffer_bytes": int(bw["buffer_bytes"]), "method": bw["method"]},
+                      "buffer_bytes": int(bw["buffer_bytes"]), "method": bw["method"],
+                      "memory": bw["memory"], "source": bw["source"],
+                      "native_device": bw["native_device"], "fallback": bw["fallback"]},
         "matmul": {"products": [{"k": k, "n": n, "count": c} for (k, n), c in products.items()],
                    "prefill_rows": args.prefill_tokens,
                    "tflops": {d: {str(r): v for r, v in t.items()} for d, t in mm.items()},
@@ -794,6 +921,8 @@ def format_summary(r: dict) -> str:
     bw = r["bandwidth"]
     lines = [f"{r['device']} ({r['device_name']}), engine dtype {r['dtype']}"
              + (" (--quick)" if r["quick"] else ""),
+             f"memory figures: {bw['source']}"
+             + (f" (--memory {r['memory']})" if r.get("memory") else ""),
              f"bandwidth: sequential {bw['seq_gbps']:.2f} GB/s, copy {bw['copy_gbps']:.2f} GB/s; "
              "random runs: " + ", ".join(f"{_bytes(int(s))} {g:.2f}"
                                          for s, g in bw["runs_gbps"].items()) + " GB/s"]
@@ -859,8 +988,10 @@ def register(subparsers) -> None:
         "calibrate", help="measure a torch device and write a card file for simulate --device",
         description="Measure on a torch device what a card file needs, so that `odma-hw "
                     "simulate --device CARD` predicts `odma-hw engine` there: the bandwidth of "
-                    "random contiguous runs by size, sequential and copy bandwidth (written "
-                    "beside the card as an `odma-hw probe --json` file, CARD.probe.json); matmul "
+                    "random contiguous runs by size, sequential and copy bandwidth (by the "
+                    "native probe of the same memory where odma-hw has one, else torch's gather: "
+                    "--memory; written beside the card as an `odma-hw probe --json` file, "
+                    "CARD.probe.json); matmul "
                     "throughput at the engine's dtype over --model's layer and LM-head shapes, at "
                     "a prefill row count and at decode row counts; and the per-layer, "
                     "per-request and per-request-per-layer overheads of the engine's decode "
@@ -894,6 +1025,14 @@ def register(subparsers) -> None:
     p.add_argument("--quick", action="store_true",
                    help="fewer repetitions, shapes and run sizes, and a quarter of the working "
                         "set (for tests)")
+    p.add_argument("--memory", default="auto", choices=list(MEMORY_MODES),
+                   help="what measures the card's memory figures (run reads, sequential read, "
+                        "copy): native, odma-hw's native probe of the same memory (host for "
+                        "torch:cpu, cuda:N for torch:cuda:N, mlu:N for torch:mlu:N), whose "
+                        "kernels read as the engine's own attention kernels do; torch, torch's "
+                        "gather (index_select), sum and copy_; auto (default), native where "
+                        "there is a native backend, torch's gather, said in one line, where it "
+                        "is absent or fails")
     p.add_argument("--seed", type=argtypes.seed, default=0,
                    help="seeds the random runs, weights and tokens (default 0)")
     p.add_argument("--json", action="store_true", help=f"print one JSON object ({SCHEMA})")
