@@ -459,7 +459,7 @@ def test_a_figure_no_card_may_hold_is_a_device_error_and_writes_nothing(
 
 
 # ----------------------------------------------------------------------------- whose memory figures
-# issue 27: torch's gather (index_select) is not the memory's rate (an H100 card from it held
+# torch's gather (index_select) is not the memory's rate (an H100 card from it held
 # HBM3 random-access-constrained at every run size); the engine reads its KV through its own
 # kernels, which read as the native probe's do, so a card takes the native probe's figures
 # where there is one (torch:cpu -> host, torch:cuda:N -> cuda:N, torch:mlu:N -> mlu:N)

@@ -446,7 +446,7 @@ def small_device(monkeypatch):
 
     def stop(*a, **k):
         raise RunFailed("stopped after the checks")
-    monkeypatch.setattr(calibrate_module, "measure_bandwidth", stop)
+    monkeypatch.setattr(calibrate_module, "measure_memory", stop)
 
 
 @settings(max_examples=25, deadline=None, derandomize=True, database=None,

@@ -293,7 +293,7 @@ def test_probe_table_prints_a_verdict_per_device():
 
 
 def test_a_torch_devices_probe_says_it_measures_torchs_gather_and_names_the_native_device():
-    # issue 27: torch's index_select is not the memory's rate (an H100's HBM3 read as RACM at
+    # torch's index_select is not the memory's rate (an H100's HBM3 read as RACM at
     # every run size); the output says so, in the JSON and in a line under the table
     r = run_cli("probe", "--device", "torch:cpu", "--granularity", "64", "--json", *SMALL)
     assert r.returncode == 0, r.stderr

@@ -373,10 +373,11 @@ def measure_memory(dev: dict, mode: str, effort: Effort, seed: int, show) -> dic
 
     Why the native probe by default: the engine reads its KV through its own run-table attention
     kernels (Triton on CUDA), not through a torch gather, and those read as the native probe's
-    hand-written kernels do: on an H100 (issue 27) contiguous KV at 0.82-0.90 of the native
-    probe's sequential 3,059 GB/s and 16-token pages at 0.87-0.95 of it, while torch's
-    index_select read every run from 1 KiB to 4 MiB at 0.29-0.31 of streaming, so a card from
-    torch's gather believed HBM3 random-access-constrained at every size. Torch's gather is
+    hand-written kernels do: on an H100 (bench/results/h100-2026-11-26) contiguous KV at
+    0.82-0.90 of the native probe's sequential 3,059 GB/s and 16-token pages at 0.87-0.95 of
+    it, while torch's index_select read every run from 1 KiB to 4 MiB at 0.29-0.31 of
+    streaming, so a card from torch's gather believed HBM3 random-access-constrained at every
+    size. Torch's gather is
     still what --memory torch measures, and what auto falls back to, in one line on `show`,
     where there is no native backend for the device's memory (a torch device type odma-hw has
     no shim for) or it is absent or fails here (no native shim built, no driver)."""

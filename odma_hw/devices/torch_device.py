@@ -61,7 +61,7 @@ def native_spec(spec: str) -> str | None:
 
 def measures_text(spec: str) -> str:
     """What a torch device's probe figures are, in one sentence: torch's kernels on the memory,
-    not the memory's own rate (issue 27: on an H100, index_select read random 32 B runs at 53
+    not the memory's own rate (on an H100, 2026-11-26, index_select read random 32 B runs at 53
     GB/s and 4 KiB runs at 1,423, where the native probe streamed 3,059 GB/s and read 256 B - 4
     KiB runs at full speed), and the native device to probe instead, where odma-hw has one."""
     native = native_spec(spec)
