@@ -74,12 +74,12 @@ def model_head_dim(model: str) -> tuple[str, int]:
     """(name, head_dim) of the model `model` names (a shipped config, a config.json or a folder
     holding one, a preset), as the module of MODEL_COMMAND reads it (its kv_head); BadArgument
     in one line for a model it refuses, or where that command is not installed or cannot load."""
-    from odma_hw.errors import BadArgument
+    from odma_hw.errors import BadArgument, one_line
 
     try:
         read = module_of(MODEL_COMMAND).kv_head
     except (KeyError, ImportError, AttributeError) as exc:
         raise BadArgument(f"--model needs the {MODEL_COMMAND} command, which cannot load here "
-                          f"({' '.join(str(exc).split())[:120]}); give --run-bytes instead") \
+                          f"({one_line(exc, 120)}); give --run-bytes instead") \
             from None
     return read(model)

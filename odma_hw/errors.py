@@ -7,6 +7,12 @@ Every exception carries a one-line message fit to print as is.
 """
 
 
+def one_line(text, limit: int = 300) -> str:
+    """A message (an exception's, a library's) folded onto one line of at most `limit`
+    characters, as every message odma-hw prints is: one line per error."""
+    return " ".join(str(text).split())[:limit]
+
+
 class OdmaError(Exception):
     """Base of every error odma-hw raises on purpose."""
 

@@ -39,7 +39,7 @@ from odma_hw import argtypes, jsonout, plotting
 from odma_hw import devices as devmod
 from odma_hw.commands import model_head_dim
 from odma_hw.devices.base import MIN_GRANULE, Device, DeviceInfo, Measurement, is_int
-from odma_hw.errors import BadArgument
+from odma_hw.errors import BadArgument, one_line
 
 SCHEMA = "odma-hw.probe/1"
 DEFAULT_GRANULARITIES = (32, 64, 128, 256, 512, 1024, 4096)
@@ -600,7 +600,7 @@ def load_saved(path: str, devices: list[str] | None = None) -> list[ProbeResult]
     except OSError as exc:
         raise BadArgument(f"--from {path}: cannot read it: {exc.strerror or exc}") from None
     except (ValueError, UnicodeDecodeError) as exc:
-        raise BadArgument(f"--from {path}: not JSON ({' '.join(str(exc).split())[:120]})") \
+        raise BadArgument(f"--from {path}: not JSON ({one_line(exc, 120)})") \
             from None
     if not isinstance(doc, dict) or doc.get("schema") != SCHEMA:
         schema = doc.get("schema") if isinstance(doc, dict) else None

@@ -52,7 +52,7 @@ import time
 
 import numpy as np
 
-from odma_hw.errors import BadArgument, DeviceError, DeviceUnavailable
+from odma_hw.errors import BadArgument, DeviceError, DeviceUnavailable, one_line
 
 SCHEMA = "odma-hw.calibrate/1"
 PROBE_SCHEMA = "odma-hw.probe/1"
@@ -398,7 +398,7 @@ def measure_memory(dev: dict, mode: str, effort: Effort, seed: int, show) -> dic
                     raise
                 raise DeviceError(f"the native probe of {native} failed: "
                                   f"{type(exc).__name__}: {exc}") from None
-            fallback = " ".join(f"{exc}".split()) or type(exc).__name__
+            fallback = one_line(exc) or type(exc).__name__
             show(f"calibrate {dev['spec']}: the native probe of {native} failed ({fallback}): "
                  f"memory figures from {TORCH_SOURCE} instead")
     elif mode == "auto":

@@ -18,7 +18,7 @@ import json
 import os
 import re
 
-from odma_hw.errors import BadArgument
+from odma_hw.errors import BadArgument, one_line
 
 MAX_FILE_BYTES = 1 << 20            # a card or a probe file is a few KB; more is not one
 MAX_MATMUL_ROWS = 1 << 24           # rows (tokens) of one step's matrix products
@@ -115,4 +115,4 @@ def load_document(path, what: str, as_json: bool):
         raise BadArgument(f"{what} {path} is not valid JSON: nested too deep") from None
     except (UnicodeDecodeError, ValueError) as exc:     # TOMLDecodeError is a ValueError
         raise BadArgument(f"{what} {path} is not valid {'JSON' if as_json else 'TOML'}: "
-                          f"{' '.join(str(exc).split())}") from None
+                          f"{one_line(exc)}") from None

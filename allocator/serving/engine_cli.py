@@ -10,7 +10,7 @@ import os
 
 import numpy as np
 
-from odma_hw.errors import BadArgument, DeviceUnavailable, OdmaError, RunFailed
+from odma_hw.errors import BadArgument, DeviceUnavailable, OdmaError, RunFailed, one_line
 
 from allocator.serving.cli import clip_note
 from allocator.serving.models import (DTYPES, check_attention_window, check_memory,
@@ -182,7 +182,7 @@ def compute(args, results: list | None = None, failed: list | None = None) -> di
         except (OdmaError, RuntimeError, MemoryError) as exc:
             if failed is None:
                 raise
-            failed.append({"policy": policy, "error": " ".join(str(exc).split())})
+            failed.append({"policy": policy, "error": one_line(exc)})
             continue
         r = summarise(policy, run, settings)
         r["attention"] = run.get("attention")       # hf: None (transformers' own)

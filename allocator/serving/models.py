@@ -11,7 +11,7 @@ import json
 import math
 import pathlib
 
-from odma_hw.errors import BadArgument, DeviceUnavailable
+from odma_hw.errors import BadArgument, DeviceUnavailable, one_line
 
 SUPPORTED = ("llama", "qwen2", "mistral")
 CONFIG_DIR = pathlib.Path(__file__).with_name("configs")
@@ -55,11 +55,6 @@ def need(module: str, extra: str):
     except ImportError as exc:
         raise DeviceUnavailable(f"the engine needs {module} ({exc}); pip install "
                                 f"'odma-hw[{extra}]'") from None
-
-
-def one_line(text) -> str:
-    """An exception's message as one line of at most 300 characters."""
-    return " ".join(str(text).split())[:300]
 
 
 def config_path(spec: str) -> tuple[pathlib.Path, pathlib.Path | None]:
@@ -245,20 +240,18 @@ def check_weights(folder) -> list[pathlib.Path]:
             raise BadArgument(f"weights {f} are not a file")
         try:
             with safetensors.safe_open(str(f), framework="numpy") as st:
-                for key in st.keys():
-                    if key in seen:
-                        raise BadArgument(f"tensor {key!r} is in both {seen[key].name} and "
-                                          f"{f.name}: which one is the model's is ambiguous")
-                    seen[key] = f
-                    dtype = st.get_slice(key).get_dtype()
-                    if dtype not in FLOAT_WEIGHTS:
-                        raise BadArgument(f"weights {f}: tensor {key!r} is {dtype}, not a "
-                                          f"floating-point weight")
+                dtypes = {key: st.get_slice(key).get_dtype() for key in st.keys()}
         except (safetensors.SafetensorError, OSError, ValueError) as exc:
-            if isinstance(exc, BadArgument):
-                raise
             raise BadArgument(f"cannot read weights {f}: "
                               f"{one_line(getattr(exc, 'strerror', None) or exc)}") from None
+        for key, dtype in dtypes.items():
+            if key in seen:
+                raise BadArgument(f"tensor {key!r} is in both {seen[key].name} and {f.name}: "
+                                  f"which one is the model's is ambiguous")
+            seen[key] = f
+            if dtype not in FLOAT_WEIGHTS:
+                raise BadArgument(f"weights {f}: tensor {key!r} is {dtype}, not a "
+                                  f"floating-point weight")
     return files
 
 

@@ -25,6 +25,8 @@ import sys
 import numpy as np
 import torch
 
+from odma_hw.errors import one_line
+
 from allocator.serving import run_attention
 from allocator.serving.kv_runs import KVPool
 
@@ -52,11 +54,13 @@ class Runner:
         self.graphs = None
 
     # ------------------------------------------------------------------ tables to the device
-    def _to_device(self, array, dtype=None):
+    def _host(self, array):
+        """A host tensor of `array` that a copy to the device need not wait for (pinned)."""
         t = torch.from_numpy(array)
-        if self.device.type == "cuda":
-            t = t.pin_memory()
-        return t.to(self.device, dtype, non_blocking=True)
+        return t.pin_memory() if self.device.type == "cuda" else t
+
+    def _to_device(self, array):
+        return self._host(array).to(self.device, non_blocking=True)
 
     def _runs(self, tables):
         return self.run_table(**{f: self._to_device(getattr(tables, f))
@@ -242,23 +246,22 @@ class DecodeGraphs:
         if tables.run_off.size > self.max_runs:
             return None
         size = next(s for s in self.sizes if s >= n)
-        ids = np.fromiter((int(np.asarray(t).reshape(-1)[0]) for _, t, _ in batch),
-                          dtype=np.int64, count=n)
-        pos = np.fromiter((s for _, _, s in batch), dtype=np.int64, count=n)
-        self.ids[:n].copy_(r._to_device(ids))
-        self.pos[:n].copy_(r._to_device(pos))
-        self.slot[:n].copy_(r._to_device(tables.slot))
-        self.slot[n:size].fill_(-1)
-        self.slot_cap[:n].copy_(r._to_device(tables.slot_cap))
+        # padded lanes: no slot (their K and V are not stored), no runs (attention zeros)
+        slot = np.full(size, -1, dtype=np.int64)
+        slot[:n] = tables.slot
         start = np.full(size + 1, tables.run_start[-1], dtype=np.int32)
         start[:n + 1] = tables.run_start
         ctx = np.zeros(size, dtype=np.int32)
         ctx[:n] = tables.ctx_len
-        self.tables["run_start"][:size + 1].copy_(r._to_device(start))
-        self.tables["ctx_len"][:size].copy_(r._to_device(ctx))
         runs = tables.run_off.size
-        for name in ("run_off", "run_cap", "run_len", "run_pos"):
-            self.tables[name][:runs].copy_(r._to_device(getattr(tables, name)))
+        for dst, src in ((self.ids[:n], np.array([int(t[0]) for _, t, _ in batch])),
+                         (self.pos[:n], np.array([s for _, _, s in batch])),
+                         (self.slot[:size], slot), (self.slot_cap[:n], tables.slot_cap),
+                         (self.tables["run_start"][:size + 1], start),
+                         (self.tables["ctx_len"][:size], ctx),
+                         *((self.tables[f][:runs], getattr(tables, f))
+                           for f in ("run_off", "run_cap", "run_len", "run_pos"))):
+            dst.copy_(r._host(src), non_blocking=True)      # straight into the static buffer
         self.graphs[size].replay()
         return self.logits[size][:n]
 
@@ -270,8 +273,8 @@ def make_graphs(runner: Runner, max_batch: int, max_runs: int, warn=None):
     try:
         graphs.capture()
     except Exception as exc:     # (CUDA, out of memory, a kernel that fails to compile)
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        print(f"odma-hw engine: CUDA graph capture failed ({first[:200]}); running eagerly",
+        why = one_line(exc, 200) or type(exc).__name__
+        print(f"odma-hw engine: CUDA graph capture failed ({why}); running eagerly",
               file=warn or sys.stderr)
         return None
     runner.graphs = graphs
