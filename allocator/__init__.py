@@ -24,9 +24,10 @@ from allocator.errors import (AllocatorClosed, BadArgument, DuplicateRequest, In
                               StaleBlock, UnknownRequest)
 from allocator.kv import KVAllocator, KVBlock
 from allocator.paged import PagedAllocator, PagedBlock
-from allocator.policies import (LARGE, POLICIES, OdmaPolicy, OracleAllocator, OraclePolicy,
-                                Placement, Policy, RacmAllocator, S3Allocator, S3Policy,
-                                StaticAllocator, StaticPolicy, make_allocator)
+from allocator.placement import (LARGE, OdmaPolicy, OracleAllocator, OraclePolicy, Placement,
+                                 Policy, RacmAllocator, S3Allocator, S3Policy, StaticAllocator,
+                                 StaticPolicy)
+from allocator.policies import POLICIES, make_allocator
 from allocator.pool import BlockPin
 from allocator.predictors import (LengthPredictor, NoisyOraclePredictor, OnlinePredictor,
                                   OraclePredictor, Request, make_predictor)

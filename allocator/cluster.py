@@ -18,7 +18,7 @@ import threading
 from allocator.buckets import QuantileBuckets
 from allocator.config import check_config
 from allocator.errors import DuplicateRequest, OutOfMemory, UnknownRequest, require
-from allocator.policies import RacmAllocator
+from allocator.placement import RacmAllocator
 from odma_hw.errors import BadArgument
 
 

@@ -43,6 +43,7 @@ from allocator.buckets import align_up
 from allocator.config import check_config
 from allocator.contiguous import RegionPool
 from allocator.errors import OutOfMemory, require
+from allocator.placement import OdmaPolicy
 from allocator.pool import LIVE, MIGRATING, BlockPin, PinnedBlock
 
 
@@ -144,9 +145,6 @@ class ExtentAllocator(RegionPool):
 
     def __init__(self, device, pool_bytes: int, bytes_per_token: int, max_tokens: int,
                  config=None):
-        # imported here: policies.py registers this class, so it cannot be imported at the top
-        from allocator.policies import OdmaPolicy
-
         self.config = config = check_config(config)
         super().__init__(device, pool_bytes, bytes_per_token, max_tokens,
                          OdmaPolicy(max_tokens, config), byte_alignment=config.byte_alignment,

@@ -48,7 +48,8 @@ from odma_hw.errors import BadArgument
 
 from allocator.buckets import RULES
 from allocator.config import BASES, COLD_STARTS, AllocatorConfig
-from allocator.policies import LARGE, POLICIES, make_allocator
+from allocator.placement import LARGE
+from allocator.policies import POLICIES, make_allocator, policy as policy_spec
 from allocator.errors import OutOfMemory
 from allocator.predictors import PREDICTORS, Request, after_preemption, make_predictor
 from allocator.trace import RequestTrace, arrival_seconds, load_trace, trace_check
@@ -106,8 +107,8 @@ def run_replay(trace, policy: str = "odma", predictor: str = "online", *,
     if max_tokens < longest:
         raise BadArgument(f"--max-tokens {max_tokens} is below the longest request of the trace "
                           f"({longest} tokens): such requests could never complete")
-    if policy == "oracle":
-        predictor = "oracle"  # the oracle policy reserves the realized length by definition
+    # the oracle policy reserves the realized length by definition
+    predictor = policy_spec(policy).predictor(predictor)
     config = AllocatorConfig(alpha=alpha, tau=tau, n_buckets=n_buckets, bucket_rule=bucket_rule,
                              bucket_basis=bucket_basis, background_refresh=False,
                              large_share=large_share, cold_start=cold_start)

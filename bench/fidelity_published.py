@@ -5,9 +5,12 @@ the simulated figure beside the published one, and the mean absolute error.
 
 Each point is a dense 7-8B model on one GPU (TP1) at fixed input and output lengths and a fixed
 concurrency or batch, as its source states it; the cards are the presets in
-allocator/serving/cards/ (datasheet figures, the overhead defaults every card shares, MFU 0.5;
-h100-sxm's run rates from the native probe of an H100):
-nothing here is fitted to these points. The scheduler follows the vLLM version measured: V0
+allocator/serving/cards/ (datasheet figures, MFU 0.5; h100-sxm's run rates from the native
+probe of an H100), each with the engine profile of the vLLM version measured
+(allocator/serving/profiles: the engine's overheads and weight read efficiency, fitted by
+bench/fit_profiles.py on other published points of that version, never on these; vllm-0.19 is
+not fitted and keeps the overhead defaults every card shares): nothing here is fitted to these
+points. The scheduler follows the vLLM version measured: V0
 (up to 0.6) prefills whole prompts first; V1 (0.8 on) runs chunked prefill with its default
 token budget (8,192 for the OpenAI server on >= 70 GB cards other than A100, 2,048 on A100;
 16,384 and 8,192 for the offline LLM class) and paged KV in its token-major layout.
@@ -34,6 +37,9 @@ V1_SERVER_H = dict(max_batched_tokens=8192, max_batch=1024, paged_layout="nhd")
 V1_SERVER_A100 = dict(max_batched_tokens=2048, max_batch=256, paged_layout="nhd")
 V1_OFFLINE_H = dict(max_batched_tokens=16384, max_batch=1024, paged_layout="nhd")
 V0 = dict(paged_layout="v06")
+# the engine profile of each source's vLLM version (the blog's is a recent V1, as 0.19)
+PROFILE = {BLOG: "vllm-0.19", QWEN25: "vllm-0.6", QWEN2: "vllm-0.4", A100PCIE: "vllm-0.19",
+           BUILDKITE: "vllm-ci-9500"}
 
 
 def itl_fit(isl):
@@ -91,16 +97,18 @@ def run_point(point) -> dict:
         prompt, gen = np.full(n, isl), np.full(n, osl)
     trace = RequestTrace(prompt, gen, None, name=pid)
     sched = dict(sched)
+    profile = PROFILE[source]
     r = simulate(trace, ["paged"], model=model, device=card,
                  max_model_len=int((prompt + gen).max()), memory_utilization=util,
-                 concurrency=conc, **sched)[0]
+                 concurrency=conc, engine_profile=profile, **sched)[0]
     got = {"tpot_p50_ms": r["tpot_s"]["p50"] * 1e3, "tpot_p99_ms": r["tpot_s"]["p99"] * 1e3,
            "ttft_p50_ms": r["ttft_s"]["p50"] * 1e3, "output_tps": r["output_tps"],
            "speed_tps": osl / r["e2e_s"]["p50"], "batch_latency_ms": r["duration_s"] * 1e3}
     rows = []
     for metric, pub in published.items():
         sim = got[metric]
-        rows.append({"point": pid, "card": card, "model": model, "input": isl, "output": osl,
+        rows.append({"point": pid, "card": card, "profile": profile, "model": model,
+                     "input": isl, "output": osl,
                      "requests": n, "concurrency": conc, "metric": metric, "published": pub,
                      "simulated": sim, "error": sim / pub - 1, "source": source,
                      "note": note})
@@ -116,10 +124,11 @@ def main(argv=None) -> int:
     if "--json" in argv:
         print(json.dumps({"rows": rows, "summary": summary}, indent=1))
         return 0
-    print("| point | card | model | in / out | conc. | metric | published | simulated | error |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| point | card | profile | model | in / out | conc. | metric | published | simulated "
+          "| error |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['point']} | {r['card']} | {r['model']} | {r['input']} / {r['output']} | "
+        print(f"| {r['point']} | {r['card']} | {r['profile']} | {r['model']} | {r['input']} / {r['output']} | "
               f"{r['concurrency'] or 'batch ' + str(r['requests'])} | {r['metric']} | "
               f"{r['published']:.4g} | {r['simulated']:.4g} | {r['error']:+.1%} |")
     print(f"\nmean absolute error {summary['mae']:.1%} over {summary['rows']} rows; largest "

@@ -62,7 +62,14 @@ else
   cut "$R/t256.csv" 256 2048 256; MB=32; POOL=512; BIGMB=128; BIGPOOL=4000; BIGLEN=2304; TINYN=16
 fi
 ALL=odma,static,s3,oracle,paged,extent,elastic
+FIVE=odma,static,paged,extent,elastic
+gb() { awk "BEGIN { print $1 / 1000 }"; }   # MB -> GB
 E="$OH engine --device $DEV"
+# 0. a card of this device: the native probe of its memory, matmul throughput, the engine's own
+# KV reads and steps (calibrate); the engine's extents take their knee from it, as simulate's
+QUICK=; [ "$SMALL" = 1 ] && QUICK=--quick
+step calibrate 150 $OH calibrate --device $DEV --model $MODEL $QUICK --out "$R/card.toml" --json
+CARD="$R/card.toml"; [ $rc = 0 ] || CARD=h100-sxm
 # 1. correctness on the device, every policy, a pool small enough to force migrations; where
 # it fails, again without CUDA graphs, then with torch's attention, and the rest runs as the
 # first that passed
@@ -74,27 +81,40 @@ for try in "auto auto" "off auto" "off torch"; do
   [ $rc = 0 ] && break
 done
 echo "=== the engine runs below: --cuda-graphs $G --attention $ATT"
-E="$E --cuda-graphs $G --attention $ATT --model $MODEL --dtype $DT"
-# 2. speed: the first GPU run's 32 requests (max batch 32, 512 MB)
-step speed32 120 $E --trace "$R/t32.csv" --max-batch $MB --kv-pool-mb $POOL \
-  --policy odma,paged,elastic,hf --json
-# 3. the full run: 256 requests, prompts <= 2048, outputs <= 256, max batch 128, a 4 GB pool
-step full256 100 $E --trace "$R/t256.csv" --max-batch $BIGMB --kv-pool-mb $BIGPOOL \
-  --max-model-len $BIGLEN --policy odma,static,paged,extent,elastic --json
-# 4. the model's own check (bf16), and odma without graphs beside the graphs' figure
-step check_model 50 $E --trace "$R/check_model.csv" --kv-pool-mb 64 \
-  --policy odma,paged,elastic --check --json
-step speed32_eager 30 ${E/--cuda-graphs $G/--cuda-graphs off} --trace "$R/t32.csv" \
-  --max-batch $MB --kv-pool-mb $POOL --policy odma --json
-step full256_hf 90 $E --trace "$R/t256.csv" --max-batch $BIGMB --kv-pool-mb $BIGPOOL \
-  --max-model-len $BIGLEN --policy hf --json
-# transformers at its best: its own CUDA graphs asked for
-step speed32_hf_graphs 40 ${E/--cuda-graphs $G/--cuda-graphs on} --trace "$R/t32.csv" \
+E="$E --cuda-graphs $G --attention $ATT --model $MODEL --dtype $DT --card $CARD"
+S="$OH simulate --device $CARD --model $MODEL --dtype ${DT/bfloat16/bf16}"
+S="${S/float32/fp32}"
+# 2. the model's own check (bf16), every policy
+step check_model 100 $E --trace "$R/check_model.csv" --kv-pool-mb 64 --policy $ALL --check \
+  --json
+# 3. speed: the first GPU run's 32 requests (max batch 32, 512 MB), and transformers at its
+# best (its own CUDA graphs asked for); simulate of the same runs with the card just measured
+step speed32 150 $E --trace "$R/t32.csv" --max-batch $MB --kv-pool-mb $POOL \
+  --policy $FIVE,hf --json
+[ "${HF_GRAPHS:-1}" = 1 ] && step speed32_hf_graphs 40 ${E/--cuda-graphs $G/--cuda-graphs on} --trace "$R/t32.csv" \
   --max-batch $MB --kv-pool-mb $POOL --policy hf --json
-# 5. the kernel alone, if time is left
-step bench_kernel 40 $PY -m pytest -q -p no:cacheprovider bench/bench_run_attention.py \
-  --benchmark-only --benchmark-json "$R/bench_kernel.json"
-# the probe's verdict for the model's 16-token pages, measured on this card
-step probe 40 $OH probe --device "${DEV#torch:}" --model $MODEL --page-tokens 16 --json
+step speed32_chunked 60 $E --trace "$R/t32.csv" --max-batch $MB --kv-pool-mb $POOL \
+  --max-num-batched-tokens 2048 --policy odma,paged --json
+# 4. the full run: 256 requests, prompts <= 2048, outputs <= 256, max batch 128, a 4 GB pool
+step full256 130 $E --trace "$R/t256.csv" --max-batch $BIGMB --kv-pool-mb $BIGPOOL \
+  --max-model-len $BIGLEN --policy $FIVE --json
+# where odma's time goes in the full run (it trailed static by 1.5x on the first H100 run)
+step profile_odma 90 $PY -m cProfile -o "$R/odma.prof" -m odma_hw ${E#$OH } --trace "$R/t256.csv" \
+  --max-batch $BIGMB --kv-pool-mb $BIGPOOL --max-model-len $BIGLEN --policy odma --json
+$PY -c "import pstats, sys; pstats.Stats(sys.argv[1]).sort_stats('tottime').print_stats(30)" \
+  "$R/odma.prof" > "$R/odma_prof.txt" 2>&1; head -c 5000 "$R/odma_prof.txt" | tail -c 4000
+# 5. simulate's predictions of those runs (the card, and the h100-sxm preset)
+for C in "$CARD" h100-sxm; do
+  n=$(basename "$C" .toml)
+  S2="${S/--device $CARD/--device $C}"
+  step sim32_$n 30 $S2 --trace "$R/t32.csv" --max-batch $MB --kv-pool-gb $(gb $POOL) \
+    --policy $FIVE --json
+  step sim32c_$n 30 $S2 --trace "$R/t32.csv" --max-batch $MB --kv-pool-gb $(gb $POOL) \
+    --max-num-batched-tokens 2048 --policy odma,paged --json
+  step sim256_$n 30 $S2 --trace "$R/t256.csv" --max-batch $BIGMB \
+    --kv-pool-gb $(gb $BIGPOOL) --max-model-len $BIGLEN --policy $FIVE --json
+done
+cp "$R"/card.* "$OUT"/ 2>/dev/null
+$PY bench/gpu_summary.py "$R" | tee "$OUT/summary.txt"
 (cd /tmp && tar czf "$OUT/r.tgz" gpu-r)
 echo "=== done $SECONDS s"

@@ -24,10 +24,13 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from allocator.serving import calibrate as cal  # noqa: E402
+from allocator.serving.calibration import cardfile, engine_steps, measure  # noqa: E402
+from allocator.serving.calibration import fit as calfit  # noqa: E402
 
 REQUIRED = ("name", "bandwidth_gbps", "capacity_gb", "tflops_bf16", "timing", "link_gbps",
             "link_latency_us")
-OVERHEADS = ("layer_overhead_us", "request_overhead_us", "layer_request_overhead_us")
+OVERHEADS = ("step_overhead_us", "layer_overhead_us", "request_overhead_us",
+             "layer_request_overhead_us")
 # What a --quick fit must reproduce of the step times it was fitted on, each relative to the
 # step: the root mean square over the points, and the worst point. On a quiet 2-core machine the
 # fit is within 5 % everywhere; the margin is for timing noise, not for a form that fits badly
@@ -49,7 +52,8 @@ def run(argv) -> tuple[int, str, str]:
 @pytest.fixture(scope="module")
 def calibrated(tmp_path_factory):
     folder = tmp_path_factory.mktemp("card")
-    rc, out, err = run(["calibrate", "--quick", "--json", "--out", str(folder / "card.toml")])
+    rc, out, err = run(["calibrate", "--quick", "--json", "--model", "tiny-llama",
+                        "--out", str(folder / "card.toml")])
     assert rc == 0, err
     return folder, json.loads(out), err
 
@@ -95,18 +99,29 @@ def test_the_fitted_overheads_are_nonnegative_and_reproduce_the_steps_they_fit(c
         assert card[key] >= 0, key
     for key in ("step_us", "layer_us", "request_us", "layer_request_us"):
         assert o[key] >= 0, key
-    # the per-step cost has no key of its own: the card shares it over the model's layers
-    assert o["model_layers"] == 24                   # qwen2.5-0.5b, calibrate's default model
-    assert card["layer_overhead_us"] == pytest.approx(o["layer_us"] + o["step_us"] / 24,
-                                                      rel=1e-5)
-    assert card["request_overhead_us"] == pytest.approx(o["request_us"], rel=1e-5, abs=1e-9)
+    # fitted on the model itself at two depths: the card holds each term as fitted, the
+    # serving loop's own cost per step and per request added to the Runner's
+    assert o["fit_model"] == "tiny-llama" and o["fit_layers"] == list(measure.QUICK.fit_layers)
+    loop = o["loop"]
+    assert loop["step_s"] >= 0 and loop["request_s"] >= 0
+    assert [q["batch"] for q in loop["points"]] == [min(measure.QUICK.fit_batches),
+                                                    max(measure.QUICK.fit_batches)]
+    assert card["step_overhead_us"] == pytest.approx(o["step_us"] + loop["step_s"] * 1e6,
+                                                     rel=1e-5, abs=1e-9)
+    assert card["layer_overhead_us"] == pytest.approx(o["layer_us"], rel=1e-5, abs=1e-9)
+    assert card["request_overhead_us"] == pytest.approx(o["request_us"] + loop["request_s"] * 1e6,
+                                                        rel=1e-5, abs=1e-9)
+    for key in ("prefill_step_overhead_us", "prefill_layer_overhead_us",
+                "prefill_layer_request_overhead_us"):
+        assert card[key] >= 0, key
     assert card["layer_request_overhead_us"] == pytest.approx(o["layer_request_us"], rel=1e-5,
                                                               abs=1e-9)
     k, a, b, c = (o[key] * 1e-6 for key in ("step_us", "layer_us", "request_us",
                                             "layer_request_us"))
     points = o["points"]
-    assert {(p["layers"], p["batch"]) for p in points} == {
-        (L, B) for L in cal.FIT_LAYERS for B in cal.QUICK.fit_batches}
+    assert {(p["layers"], p["batch"], p["context"]) for p in points} == {
+        (L, B, C + 1) for L in measure.QUICK.fit_layers for B in measure.QUICK.fit_batches
+        for C in measure.QUICK.fit_contexts}
     rel = []
     for p in points:
         # each point's fitted time: the simulator's floor + the fitted overheads
@@ -129,8 +144,9 @@ def test_the_fitted_overheads_are_nonnegative_and_reproduce_the_steps_they_fit(c
 def test_progress_goes_to_stderr_one_line_per_phase(calibrated):
     _, _, err = calibrated
     lines = err.strip().splitlines()
-    assert len(lines) >= 4 and all(line.startswith("calibrate torch:cpu: ") for line in lines)
-    assert all("warning" in line for line in lines[4:])
+    # bandwidth, matmul float32, matmul bfloat16, the engine's reads, steps and loop
+    assert len(lines) >= 6 and all(line.startswith("calibrate torch:cpu: ") for line in lines)
+    assert all("warning" in line for line in lines[6:])
 
 
 def test_the_simulator_reads_the_card(calibrated):
@@ -191,17 +207,17 @@ def test_a_shape_a_step_runs_more_often_weighs_more(monkeypatch):
     # the same FLOPs a call, one shape in 1 ms, the other in 4 at 1 row: the set runs the slow
     # one three times as often, so its rate is 4 calls' FLOPs over 13 ms, nearer the slow rate
     seconds = {(8, 8): {1: 1e-3, 2: 1e-3}, (4, 16): {1: 4e-3, 2: 2e-3}}
-    monkeypatch.setattr(cal, "_linear_seconds",
+    monkeypatch.setattr(measure, "_linear_seconds",
                         lambda torch, dev, dtype, rows, k, n, effort, seed: seconds[(k, n)])
-    whole, each = cal.matmul_tflops(None, None, None, (1, 2), {(8, 8): 1, (4, 16): 3},
-                                    cal.QUICK, 0)
+    whole, each = measure.matmul_tflops(None, None, None, (1, 2), {(8, 8): 1, (4, 16): 3},
+                                        measure.QUICK, 0)
     assert each[(8, 8)][1] == pytest.approx(2 * 64 / 1e-3 / 1e12)
     assert whole[1] == pytest.approx(2 * 64 * 4 / (1e-3 + 3 * 4e-3) / 1e12)
     assert whole[2] == pytest.approx(2 * 2 * 64 * 4 / (1e-3 + 3 * 2e-3) / 1e12)
 
 
 def test_the_cpu_share_of_other_processes_is_a_fraction():
-    load = cal.OtherLoad()
+    load = measure.OtherLoad()
     sum(i * i for i in range(200_000))          # this process's own work is not counted
     share = load.share()
     assert share is None or 0.0 <= share <= 1.0
@@ -212,7 +228,7 @@ def test_nnls_recovers_known_coefficients_exactly():
     rng = np.random.default_rng(1)
     A = rng.uniform(0.1, 2.0, (20, 3))
     x = np.array([2.0, 0.5, 3.0])
-    assert cal.nnls(A, A @ x) == pytest.approx(x, abs=1e-10)
+    assert calfit.nnls(A, A @ x) == pytest.approx(x, abs=1e-10)
 
 
 def test_the_overhead_fit_recovers_step_layer_request_and_per_layer_request_costs():
@@ -221,15 +237,16 @@ def test_the_overhead_fit_recovers_step_layer_request_and_per_layer_request_cost
     k, a, c, b = 300e-6, 200e-6, 40e-6, 5e-6
     over = k + L * a + L * B * c + B * b
     step = over + 1e-4                       # the floor: the fit is relative to the whole step
-    fit = cal.fit_overheads(L, B, over, step)
+    fit = calfit.fit_overheads(L, B, over, step)
     assert fit["step_s"] == pytest.approx(k, rel=1e-9)
     assert fit["layer_s"] == pytest.approx(a, rel=1e-9)
     assert fit["layer_request_s"] == pytest.approx(c, rel=1e-9)
     assert fit["request_s"] == pytest.approx(b, rel=1e-9)
     assert fit["fitted_s"] == pytest.approx(over, rel=1e-9)
-    card = cal.card_overheads(fit, 24)       # at 24 layers the card gives the same steps
+    card = calfit.card_overheads(fit)        # at any depth the card gives the same steps
     for batch in (1, 7, 64):
-        per_card = 24 * (card["layer_overhead_us"] + batch * card["layer_request_overhead_us"]) \
+        per_card = card["step_overhead_us"] + 24 * (
+            card["layer_overhead_us"] + batch * card["layer_request_overhead_us"]) \
             + batch * card["request_overhead_us"]
         assert per_card * 1e-6 == pytest.approx(k + 24 * a + 24 * batch * c + batch * b,
                                                 rel=1e-9)
@@ -239,7 +256,7 @@ def test_a_coefficient_the_data_would_make_negative_is_zero_and_the_rest_optimal
     L = np.repeat([2, 6], 6).astype(float)
     B = np.tile([1, 2, 4, 8, 16, 32], 2).astype(float)
     over = 1e-4 + 200e-6 * L + 40e-6 * L * B - 20e-6 * B     # a negative per-request cost
-    fit = cal.fit_overheads(L, B, over, over)
+    fit = calfit.fit_overheads(L, B, over, over)
     x = np.array([fit["step_s"], fit["layer_s"], fit["layer_request_s"], fit["request_s"]])
     assert (x >= 0).all() and fit["request_s"] == 0.0
     # the optimum of the constrained problem (Karush-Kuhn-Tucker): no descent along a positive
@@ -255,7 +272,7 @@ def test_nnls_meets_the_optimality_conditions_on_random_problems():
     for _ in range(50):
         A = rng.normal(size=(12, 4))
         y = rng.normal(size=12)
-        x = cal.nnls(A, y)
+        x = calfit.nnls(A, y)
         grad = A.T @ (A @ x - y)
         assert (x >= 0).all()
         assert grad[x > 0] == pytest.approx(0.0, abs=1e-8)
@@ -264,15 +281,15 @@ def test_nnls_meets_the_optimality_conditions_on_random_problems():
 
 def test_nnls_refuses_what_it_cannot_solve():
     with pytest.raises(cal.BadArgument):
-        cal.nnls(np.ones((3, 9)), np.ones(3))
+        calfit.nnls(np.ones((3, 9)), np.ones(3))
     with pytest.raises(cal.BadArgument):
-        cal.nnls(np.array([[1.0], [math.nan]]), np.ones(2))
+        calfit.nnls(np.array([[1.0], [math.nan]]), np.ones(2))
 
 
 # ----------------------------------------------------------------------------- the file format
 def test_strings_and_numbers_are_written_as_toml_that_reads_back():
     name = 'odd "name" \\ with\ttab, unicode \u00e9\u4e2d and \x7f'
-    text = cal.card_text({"name": name, "big": 1e6, "small": 1.5e-7, "one": 1.0},
+    text = cardfile.card_text({"name": name, "big": 1e6, "small": 1.5e-7, "one": 1.0},
                          {"big": ["a comment"]}, ["header"])
     back = tomllib.loads(text)
     assert back == {"name": name, "big": 1e6, "small": 1.5e-7, "one": 1.0}
@@ -285,9 +302,10 @@ def no_measuring(monkeypatch):
     """Any measurement fails the test: a refusal must come first."""
     def refuse(*args, **kwargs):
         raise AssertionError("measured before refusing")
-    for name in ("measure_bandwidth", "measure_native_bandwidth", "matmul_tflops",
-                 "measure_steps"):
-        monkeypatch.setattr(cal, name, refuse)
+    for module, name in ((measure, "measure_bandwidth"), (measure, "measure_native_bandwidth"),
+                         (cal, "matmul_tflops"), (engine_steps, "measure_engine_reads"),
+                         (engine_steps, "measure_steps"), (engine_steps, "measure_loop")):
+        monkeypatch.setattr(module, name, refuse)
 
 
 def refused(argv, folder) -> str:
@@ -361,19 +379,32 @@ def measured_instantly(monkeypatch):
         by_rows = {r: 0.01 * math.sqrt(r) for r in rows_list}
         return by_rows, {shape: dict(by_rows) for shape in products}
 
-    def steps(torch, dev, dtype, effort, seed):
-        out = []
-        for layers in cal.FIT_LAYERS:
-            for batch in effort.fit_batches:
-                t = 1e-3 + layers * 2e-4 + layers * batch * 1e-5 + batch * 2e-5
-                out.append({"layers": layers, "batch": batch, "context": cal.FIT_CONTEXT + 1,
-                            "step_s": t, "step_min_s": t, "step_max_s": t, "step_q1_s": t,
-                            "step_q3_s": t})
+    def times(t):
+        return {"step_s": t, "step_min_s": t, "step_max_s": t, "step_q1_s": t, "step_q3_s": t}
+
+    def steps(torch, dev, dtype, config, effort, seed):
+        out = {"decode": [], "prefill": []}
+        for layers in effort.fit_layers:
+            for context in effort.fit_contexts:
+                for batch in effort.fit_batches:
+                    t = 1e-3 + layers * 2e-4 + layers * batch * 1e-5 + batch * 2e-5
+                    out["decode"].append({"layers": layers, "batch": batch,
+                                          "context": context + 1, **times(t)})
+            for batch, prompt in effort.prefill_shapes:
+                out["prefill"].append({"layers": layers, "batch": batch, "prompt": prompt,
+                                       **times(2e-3 * layers)})
         return out
-    monkeypatch.setattr(cal, "measure_bandwidth", bandwidth)
-    monkeypatch.setattr(cal, "measure_native_bandwidth", native)
+
+    def reads(torch, dev, dtype, config, effort, seed):
+        return {"gbps": {32: 5.0, 4096: 10.0}, "points": [], "backend": "torch",
+                "layers": 4, "kv_heads": 2, "head_dim": 8, "dtype": dtype}
+    monkeypatch.setattr(measure, "measure_bandwidth", bandwidth)
+    monkeypatch.setattr(measure, "measure_native_bandwidth", native)
     monkeypatch.setattr(cal, "matmul_tflops", matmul)
-    monkeypatch.setattr(cal, "measure_steps", steps)
+    monkeypatch.setattr(engine_steps, "measure_steps", steps)
+    monkeypatch.setattr(engine_steps, "measure_engine_reads", reads)
+    monkeypatch.setattr(engine_steps, "measure_loop",
+                        lambda *a: {"step_s": 1e-4, "request_s": 1e-6, "points": []})
 
 
 def calibrate_to(out, *more) -> dict:
@@ -445,12 +476,12 @@ def test_an_out_that_is_neither_toml_nor_json_is_refused_before_measuring(tmp_pa
 
 def test_a_figure_no_card_may_hold_is_a_device_error_and_writes_nothing(
         tmp_path, measured_instantly, monkeypatch):
-    real = cal.measure_bandwidth
+    real = measure.measure_bandwidth
 
     def absurd(spec, effort, seed):
         return dict(real(spec, effort, seed), seq_gbps=1e300)
-    monkeypatch.setattr(cal, "measure_bandwidth", absurd)
-    monkeypatch.setattr(cal, "measure_native_bandwidth", no_native)
+    monkeypatch.setattr(measure, "measure_bandwidth", absurd)
+    monkeypatch.setattr(measure, "measure_native_bandwidth", no_native)
     rc, out, err = run(["calibrate", "--quick", "--quiet", "--model", "tiny-llama",
                         "--out", str(tmp_path / "c.toml")])
     assert rc == 3 and out == "" and len(err.strip().splitlines()) == 1, err
@@ -527,7 +558,7 @@ def test_a_native_backend_that_is_absent_or_fails_falls_back_to_torch_in_one_lin
             no_native()
         raise RuntimeError("the shim fell over")
     # the real native path, its device refusing to open
-    monkeypatch.setattr(cal, "measure_native_bandwidth", REAL_NATIVE)
+    monkeypatch.setattr(measure, "measure_native_bandwidth", REAL_NATIVE)
     monkeypatch.setattr(host, "open_device", broken)
     rc, out, err = run(["calibrate", "--quick", "--json", "--model", "tiny-llama",
                         "--out", str(tmp_path / "c.toml")])
@@ -542,7 +573,7 @@ def test_a_native_backend_that_is_absent_or_fails_falls_back_to_torch_in_one_lin
 
 def test_memory_native_that_fails_is_an_error_in_one_line_and_writes_nothing(
         tmp_path, measured_instantly, monkeypatch):
-    monkeypatch.setattr(cal, "measure_native_bandwidth", no_native)
+    monkeypatch.setattr(measure, "measure_native_bandwidth", no_native)
     rc, out, err = run(["calibrate", "--quick", "--quiet", "--model", "tiny-llama",
                         "--memory", "native", "--out", str(tmp_path / "c.toml")])
     assert rc == 2 and out == "" and len(err.strip().splitlines()) == 1, err
@@ -567,15 +598,15 @@ def test_a_bad_memory_value_is_refused_in_one_line(tmp_path, no_measuring):
 
 
 def test_which_native_device_measures_each_memory():
-    assert cal.memory_plan("torch:cpu", "auto") == "host"
-    assert cal.memory_plan("torch:cuda:1", "native") == "cuda:1"
-    assert cal.memory_plan("torch:mlu:0", "auto") == "mlu:0"
-    assert cal.memory_plan("torch:cuda:0", "torch") is None
-    assert cal.memory_plan("torch:xpu:0", "auto") is None         # no native backend: torch
+    assert measure.memory_plan("torch:cpu", "auto") == "host"
+    assert measure.memory_plan("torch:cuda:1", "native") == "cuda:1"
+    assert measure.memory_plan("torch:mlu:0", "auto") == "mlu:0"
+    assert measure.memory_plan("torch:cuda:0", "torch") is None
+    assert measure.memory_plan("torch:xpu:0", "auto") is None         # no native backend: torch
     with pytest.raises(cal.BadArgument, match="no native backend"):
-        cal.memory_plan("torch:xpu:0", "native")
+        measure.memory_plan("torch:xpu:0", "native")
     with pytest.raises(cal.BadArgument, match="--memory"):
-        cal.memory_plan("torch:cpu", "hbm")
+        measure.memory_plan("torch:cpu", "hbm")
 
 
 def test_the_real_quick_calibration_names_the_host_native_probe(calibrated):
@@ -586,11 +617,37 @@ def test_the_real_quick_calibration_names_the_host_native_probe(calibrated):
     folder, result, err = calibrated
     bw = result["bandwidth"]
     assert bw["memory"] == "native" and bw["source"].startswith("native probe of host (")
-    assert set(bw["runs_gbps"]) == {str(s) for s in cal.QUICK.run_sizes}
+    assert set(bw["runs_gbps"]) == {str(s) for s in measure.QUICK.run_sizes}
     with open(folder / "card.probe.json") as f:
         (entry,) = json.load(f)["devices"]
     assert entry["device"] == "host" and entry["memory_source"] == bw["source"]
     assert "(the native probe of host)" in err.splitlines()[0]
 
 
-REAL_NATIVE = cal.measure_native_bandwidth
+REAL_NATIVE = measure.measure_native_bandwidth
+
+
+def test_the_engines_read_rate_is_measured_per_run_length_on_the_engines_attention():
+    """The read table calibrate puts in a card: one rate per page size and one for whole
+    contexts, each from the time the longer context adds (positive on any working engine),
+    keyed by one (layer, K/V, head) run's bytes."""
+    import dataclasses
+
+    import torch
+
+    from allocator.serving.models import load_config
+
+    config, _ = load_config("tiny-llama")
+    effort = dataclasses.replace(measure.QUICK, read_run_tokens=(1, 16), read_contexts=(64, 256),
+                                 read_batch=4, fit_warmup=1, fit_reps=3)
+    dev = {"device": torch.device("cpu"), "spec": "torch:cpu"}
+    got = engine_steps.measure_engine_reads(torch, dev, "float32", config, effort, seed=0)
+    element = 4
+    assert [p["run_tokens"] for p in got["points"]] == [1, 16, 256]
+    assert [p["run_bytes"] for p in got["points"]] == [t * 8 * element for t in (1, 16, 256)]
+    assert got["points"][-1]["whole_context"] and not got["points"][0]["whole_context"]
+    assert got["backend"] == "torch"
+    for p in got["points"]:
+        assert p["short_s"] > 0 and p["long_s"] > 0
+        if p["gbps"] is not None:
+            assert got["gbps"][p["run_bytes"]] == p["gbps"] > 0

@@ -9,6 +9,7 @@ import json
 import math
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 from allocator.serving.datafile import Range
@@ -295,6 +296,14 @@ def bad_cards():
         ("mfu-above-1", dict(base, mfu=1.5), [], "mfu"),
         ("negative-overhead", dict(base, layer_request_overhead_us=-1), [],
          "layer_request_overhead_us"),
+        ("negative-step-overhead", dict(base, step_overhead_us=-5.0), [], "step_overhead_us"),
+        ("engine-reads-one-run", dict(base, engine_run_gbps={"4096": 10.0}), [],
+         "engine_run_gbps"),
+        ("engine-reads-zero-rate", dict(base, engine_run_gbps={"32": 0.0, "4096": 10.0}), [],
+         "engine_run_gbps"),
+        ("engine-reads-zero-bytes", dict(base, engine_run_gbps={"0": 1.0, "4096": 10.0}), [],
+         "engine_run_gbps"),
+        ("engine-reads-not-a-table", dict(base, engine_run_gbps=12.0), [], "engine_run_gbps"),
         ("matmul-zero-rows", dict(base, matmul_tflops={"0": 1.0}), [], "matmul_tflops"),
         ("matmul-negative", dict(base, matmul_tflops={"8": -1.0}), [], "matmul_tflops"),
         ("matmul-rows-not-a-number", dict(base, matmul_tflops={"x": 1.0}), [],
@@ -538,6 +547,48 @@ def test_the_layer_request_overhead_adds_layers_x_batch_x_it_per_step(tmp_path, 
     assert t1.overhead_seconds(nb) == pytest.approx(want * 1e-6)
     assert t0.overhead_seconds(nb) == pytest.approx(
         (QWEN.layers * base.layer_overhead_us + nb * base.request_overhead_us) * 1e-6)
+
+
+def test_the_step_overhead_is_paid_once_a_step_whatever_its_batch_and_depth(tmp_path):
+    base = ideal_card(tmp_path)
+    t = IdealTiming(base.bandwidth_gbps)
+    setup = ServingSetup(QWEN, base, t, max_model_len=4096)
+    plus = ServingSetup(QWEN, dataclasses.replace(base, step_overhead_us=700.0), t,
+                        max_model_len=4096)
+    for nb in (1, 9):
+        assert (StepTimer(plus, "contiguous").overhead_seconds(nb)
+                - StepTimer(setup, "contiguous").overhead_seconds(nb)) == pytest.approx(700e-6)
+    assert (StepTimer(plus, "contiguous").prefill([(100, 0)])[0]
+            - StepTimer(setup, "contiguous").prefill([(100, 0)])[0]) == pytest.approx(700e-6)
+
+
+def test_the_engines_read_table_prices_the_kv_in_place_of_the_memorys(tmp_path):
+    """A card with engine_run_gbps reads each request's KV runs at the table's rate for their
+    size (interpolated in log size), the memory's timing still reading the weights."""
+    base = ideal_card(tmp_path)
+    t = IdealTiming(base.bandwidth_gbps)
+    table = ((64, 1.0), (65536, 4.0))
+    engine = dataclasses.replace(base, engine_run_gbps=table)
+
+    def kv_seconds(card, layout, ctx):
+        timer = StepTimer(ServingSetup(QWEN, card, t, max_model_len=4096), layout)
+        r = SimpleNamespace()
+        blk = SimpleNamespace(pages=list(range(-(-ctx // 16))),
+                              runs=lambda: [(0, 1)] * -(-ctx // 16))
+        timer.linearize(r, 0, ctx, blk)
+        return r.a, timer
+    ctx = 1024
+    secs, timer = kv_seconds(engine, "contiguous", ctx)
+    run = ctx * timer.run_unit_bytes
+    rate = float(np.interp(np.log2(run), np.log2([64, 65536]), [1.0, 4.0]))
+    assert secs == pytest.approx(timer.runs_per_unit * run / (rate * 1e9))
+    assert timer.w_seconds == pytest.approx(
+        ServingSetup(QWEN, base, t, max_model_len=4096).weight_bytes / (t.seq_gbps * 1e9))
+    ideal, _ = kv_seconds(base, "contiguous", ctx)
+    assert secs > 2 * ideal                     # 4 GB/s at most, where ideal reads at full
+    # pages: runs of a page, slower than the whole context's in the table
+    paged, _ = kv_seconds(engine, "hnd", ctx)
+    assert paged > secs
 
 
 def test_a_measured_matmul_table_sets_each_steps_compute_by_its_rows(tmp_path):

@@ -8,9 +8,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from allocator.serving.engine import RequestState, ServingSetup, Simulation, run_policy
+from allocator.serving.core.requests import RequestState
+from allocator.serving.engine import ServingSetup, Simulation, run_policy
 from allocator.serving.presets import accelerator, model_spec
-from allocator.serving.scheduler import Scheduler
+from allocator.serving.core.scheduler import Scheduler
 from allocator.serving.timing import MeasuredTiming
 from allocator.trace import RequestTrace
 from odma_hw.cli import main
@@ -45,13 +46,13 @@ def run(policy, reqs, **kw):
 def test_every_step_keeps_to_its_budget_and_computes_each_prompt_once_in_order(
         policy, budget, monkeypatch):
     steps: list = []
-    chunks = Scheduler.chunks
+    chunks = Scheduler._chunks
 
     def spy(self, now):
         out, admitted, restore = chunks(self, now)
-        steps.append((len(self.running), [(i, start, k) for i, _, start, k in out]))
+        steps.append((len(self.running), [(c.id, c.start, c.tokens) for c in out]))
         return out, admitted, restore
-    monkeypatch.setattr(Scheduler, "chunks", spy)
+    monkeypatch.setattr(Scheduler, "_chunks", spy)
     reqs = requests(150, seed=budget, long_prompts=True)
     # a pool of a few long requests: admissions wait and requests are preempted
     sim, _ = run(policy, reqs, max_batch=64, max_batched_tokens=budget, kv_pool_gb=0.5,

@@ -11,9 +11,11 @@ import pytest
 
 from allocator import AllocatorConfig, make_allocator
 from allocator.predictors import make_predictor
-from allocator.serving.engine import RequestState, ServingSetup, Simulation
+from allocator.policies import POLICY
+from allocator.serving.core.requests import RequestState
+from allocator.serving.engine import ServingSetup, Simulation
 from allocator.serving.presets import accelerator, model_spec
-from allocator.serving.scheduler import Scheduler
+from allocator.serving.core.scheduler import Scheduler
 from allocator.serving.timing import MeasuredTiming
 from odma_hw.errors import BadArgument
 
@@ -27,8 +29,8 @@ def scheduler(policy, gens, window, max_batch=64):
                            AllocatorConfig(background_refresh=False), page_tokens=16)
     reqs = [RequestState(i, 10, g, 0.0) for i, g in enumerate(gens)]
     sched = Scheduler(alloc, make_predictor("oracle"), reqs, max_batch=max_batch,
-                      max_prefill=10**6, bytes_per_token=BPT, cobatch=window)
-    sched.arrive(0.0)
+                      max_prefill=10**6, bytes_per_token=BPT, cobatch=window,
+                      policy=POLICY[policy])
     return sched
 
 
@@ -36,20 +38,20 @@ def test_admission_prefers_the_batchs_commonest_tag_within_the_window():
     # paged has no buckets: tags are power-of-two classes of the predicted tokens
     gens = [100, 1000, 1000, 90, 1000, 80, 70]
     sched = scheduler("paged", gens, window=4, max_batch=2)
-    first, _ = sched.admit(0.0)
+    first = sched.schedule(0.0).admitted
     # the head (100) starts the batch; the next is the oldest of its class (90), not 1000
     assert [i for i, *_ in first] == [0, 3]
-    assert sched.tag(0, sched.reqs[0]) == sched.tag(3, sched.reqs[3]) != \
-        sched.tag(1, sched.reqs[1])
+    assert sched._tag(0, sched.reqs[0]) == sched._tag(3, sched.reqs[3]) != \
+        sched._tag(1, sched.reqs[1])
 
 
 def test_the_head_is_passed_over_at_most_window_times():
     sched = scheduler("paged", [100, 1000] + [100] * 12, window=3, max_batch=1)
-    first, _ = sched.admit(0.0)
+    first = sched.schedule(0.0).admitted
     for i, r, *_ in first:
         sched.running[i] = r
     sched.max_batch = 64
-    admitted, _ = sched.admit(0.0)
+    admitted = sched.schedule(0.0).admitted
     # a batch of short ones passes the long head over three times, and no more
     assert [i for i, *_ in admitted][:5] == [2, 3, 4, 1, 5]
 

@@ -10,9 +10,11 @@ from allocator import AllocatorConfig, OutOfMemory, make_allocator
 from allocator.buckets import align_up
 from allocator.extent import ElasticAllocator
 from allocator.predictors import make_predictor
-from allocator.serving.engine import RequestState, ServingSetup, Simulation
+from allocator.policies import POLICY
+from allocator.serving.core.requests import RequestState
+from allocator.serving.engine import ServingSetup, Simulation
 from allocator.serving.presets import accelerator, model_spec
-from allocator.serving.scheduler import Scheduler
+from allocator.serving.core.scheduler import Scheduler
 from allocator.serving.timing import MeasuredTiming
 from test_allocator_fakes import pattern
 from test_extent import assert_accounting, assert_disjoint, snapshot
@@ -128,16 +130,14 @@ def test_the_free_space_stays_whole_knees_through_churn():
 
 def scheduler(alloc, reqs):
     sched = Scheduler(alloc, make_predictor("oracle"), reqs, max_batch=8, max_prefill=4096,
-                      bytes_per_token=BPT, log=[])
-    sched.arrive(0.0)
+                      bytes_per_token=BPT, log=[], policy=POLICY["elastic"])
     return sched
 
 
 def start(sched, i):
     """Request i made its first token and joins the decodes."""
-    r = sched.reqs[i]
-    assert not sched.made_first_token(i, r, 0.0)
-    sched.run_on(i, r)
+    sched._first_token(i, sched.reqs[i], 0.0)
+    assert i in sched.running
 
 
 class Unsure:
@@ -160,12 +160,11 @@ def test_the_demand_bound_sets_the_quantile_admission_plans_for(bound, both):
     with elastic(tokens=1400, config=config) as alloc:
         reqs = [RequestState(0, 100, 600, 0.0), RequestState(1, 100, 400, 0.0)]
         sched = Scheduler(alloc, Unsure(), reqs, max_batch=8, max_prefill=100,
-                          bytes_per_token=BPT)
-        sched.arrive(0.0)
-        admitted, _ = sched.admit(0.0)
+                          bytes_per_token=BPT, policy=POLICY["elastic"])
+        admitted = sched.schedule(0.0).admitted
         assert [i for i, *_ in admitted] == [0]        # the prefill budget takes one
         start(sched, 0)
-        admitted, _ = sched.admit(0.0)
+        admitted = sched.schedule(0.0).admitted
         assert bool(admitted) == both
         if not both:                                   # its first extents would have fitted
             assert alloc.pool_bytes - alloc.reserved_bytes >= alloc.block_bytes(
@@ -195,13 +194,13 @@ def test_a_growth_without_room_preempts_the_request_with_the_least_progress():
                 RequestState(2, 200, 300, 0.0)]
         sched = scheduler(alloc, reqs)
         sched.demand = False                           # admit all three, to meet the wall
-        sched.admit(0.0)
+        sched.schedule(0.0)
         for i in (0, 1, 2):
             start(sched, i)
         fill(alloc, "a")
         sched.demand = True
         sched.log.clear()
-        grown = sched.grow(2, alloc.block(2).capacity_tokens + 1)[0]
+        grown = sched._grow(2, alloc.block(2).capacity_tokens + 1)[0]
         # contexts: 0 holds 501 tokens, 1 holds 51, the grower 2 holds 201: 1 goes
         assert [i for what, i in sched.log if what == "preempt"] == [1]
         assert grown.capacity_tokens > 200 + KNEE and set(sched.running) == {0, 2}
@@ -211,7 +210,7 @@ def test_a_growth_without_room_preempts_the_request_with_the_least_progress():
         fill(alloc, "b")
         sched.log.clear()
         with pytest.raises(OutOfMemory):
-            sched.grow(2, alloc.block(2).capacity_tokens + 1)
+            sched._grow(2, alloc.block(2).capacity_tokens + 1)
         assert [what for what, _ in sched.log] == ["oom"] and set(sched.running) == {0, 2}
         alloc.check()
 

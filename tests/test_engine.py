@@ -16,7 +16,8 @@ from allocator.config import AllocatorConfig  # noqa: E402
 from allocator.serving import models, run_attention  # noqa: E402
 from allocator.serving.kv_runs import KVPool  # noqa: E402
 from allocator.serving import torch_engine as te  # noqa: E402
-from allocator.serving.engine import RequestState, ServingSetup, Simulation  # noqa: E402
+from allocator.serving.core.requests import RequestState  # noqa: E402
+from allocator.serving.engine import ServingSetup, Simulation  # noqa: E402
 from allocator.serving.presets import ModelSpec, accelerator  # noqa: E402
 from allocator.serving.timing import MeasuredTiming  # noqa: E402
 from odma_hw.cli import main  # noqa: E402

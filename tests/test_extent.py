@@ -28,7 +28,8 @@ from allocator import (AllocatorConfig, BadArgument, DuplicateRequest, Invariant
                        RequestBusy, StaleBlock, UnknownRequest, make_allocator)
 from allocator.extent import ExtentAllocator
 from allocator.replay import run_replay
-from allocator.serving.engine import ServingSetup, Simulation, RequestState, run_policy
+from allocator.serving.core.requests import RequestState
+from allocator.serving.engine import ServingSetup, Simulation, run_policy
 from allocator.serving.presets import accelerator, model_spec
 from allocator.serving.steptime import StepTimer, extent_config, knee_tokens
 from allocator.serving.timing import MeasuredTiming

@@ -16,6 +16,7 @@ pytest.importorskip("transformers")
 from allocator.serving import hf_reference as hf  # noqa: E402
 from allocator.serving import models  # noqa: E402
 from allocator.serving import torch_engine as te  # noqa: E402
+from allocator.serving.core.metrics import summarise_engine  # noqa: E402
 from odma_hw.errors import DeviceUnavailable  # noqa: E402
 
 ON_CPU = not torch.cuda.is_available()
@@ -66,7 +67,7 @@ def test_makes_generates_tokens_in_arrival_order_within_max_batch(tiny):
     assert run["preemptions"] == 0
     assert run["startup_seconds"] > 0
     assert model.config._attn_implementation == "sdpa"      # left as it was
-    s = te.summarise("hf", run, {"model": name})
+    s = summarise_engine("hf", run, {"model": name})
     assert s["completed"] == len(gen) and s["output_tokens"] == sum(gen)
     assert s["mean_batch"] <= 4
 

@@ -5,6 +5,7 @@ and the sweep reach the allocator's commands only through the registry (odma_hw/
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
 import pytest
@@ -67,3 +68,64 @@ def test_a_command_whose_module_cannot_load_is_reported_not_fatal(monkeypatch, c
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "broken is unavailable" in err
     assert main(["devices", "--json"]) == 0                     # the rest keeps working
+
+
+# -- policies are named in their registry only ------------------------------------------------
+POLICY_NAMES = {"oracle", "paged", "extent", "elastic", "static", "s3", "odma"}
+# the registries that own these names: the policies' (allocator/policies.py) and the
+# predictors' (allocator/predictors.py: "oracle" is a predictor too)
+REGISTRIES = {"allocator/policies.py", "allocator/predictors.py"}
+# comparisons outside the registries that files owned elsewhere still make, one per line;
+# each should read the policy's descriptor (allocator.policies.policy(name)) instead
+KNOWN = {("allocator/serving/cli.py", 'r["policy"] == "paged"'),
+         ("allocator/serving/cli.py", 'p != "static"')}
+
+
+def _names(node) -> set:
+    """The policy names a comparison operand spells out: a string, or a tuple, list or set of
+    them."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return {node.value} & POLICY_NAMES
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return set().union(*(_names(e) for e in node.elts)) if node.elts else set()
+    return set()
+
+
+def _is_layout(node) -> bool:
+    """An operand naming a KV layout ("extent", "paged" are layouts too, not policies)."""
+    name = node.id if isinstance(node, ast.Name) else \
+        node.attr if isinstance(node, ast.Attribute) else ""
+    return "layout" in name
+
+
+def policy_comparisons(path: Path) -> list:
+    """(line, source) of every ==, !=, in or not in comparing something with a policy name."""
+    text = (ROOT / path).read_text()
+    found = []
+    for node in ast.walk(ast.parse(text, str(path))):
+        if not isinstance(node, ast.Compare):
+            continue
+        if not all(isinstance(op, (ast.Eq, ast.NotEq, ast.In, ast.NotIn)) for op in node.ops):
+            continue
+        operands = [node.left, *node.comparators]
+        if any(_names(o) for o in operands) and not any(_is_layout(o) for o in operands):
+            found.append((node.lineno, ast.get_source_segment(text, node)))
+    return found
+
+
+@pytest.mark.parametrize("path", [p for p in modules() if p.parts[0] == "allocator"
+                                  and str(p) not in REGISTRIES], ids=str)
+def test_no_module_compares_policy_names_outside_the_registry(path):
+    """A policy is what its descriptor says (allocator.policies.PolicySpec: its allocator,
+    predictor, KV layout, knee, admission), not a name to compare: a new policy then needs a
+    registry entry, not a hunt through every module that spells the old ones."""
+    found = [(line, src) for line, src in policy_comparisons(path)
+             if (str(path), src) not in KNOWN]
+    assert not found, f"{path} compares policy names: {found}"
+
+
+def test_the_check_finds_a_policy_comparison(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    (tmp_path / "m.py").write_text('if policy in ("extent", "elastic") or p == "odma":\n    pass\n'
+                                   'if self.layout == "extent" or kind == "decode":\n    pass\n')
+    assert [line for line, _ in policy_comparisons(Path("m.py"))] == [1, 1]

@@ -1,14 +1,18 @@
-"""Every fenced code block of README.md runs as written.
+"""Every fenced code block of README.md and of docs/*.md runs as written, and every relative
+link in them points at a file that exists.
 
 A block's info string says what it is:
 - ```python: run by a fresh interpreter in an empty folder;
-- ```sh: run by bash from the repository's root (so ../shared/traces/... resolves), with
-  .venv/bin first on PATH, stopping at the first command that fails;
-- ```LANG file=NAME: a file the other blocks use, written as NAME where they run;
+- ```sh: run by bash from the repository's root, whichever page it is on (so
+  ../shared/traces/... resolves), with .venv/bin first on PATH, stopping at the first command
+  that fails;
+- ```LANG file=NAME: a file the other blocks (of any page) use, written as NAME where they run;
 - ```text: output, not run.
 A block that needs a GPU or an MLU (it names cuda: or mlu:) is skipped. A block may be exempted
 only with `<!-- not run: REASON -->` on the line before it, and the reason is reported. Any other
 block fails: a newcomer copies what the README shows, so nothing in it goes untried by accident.
+A block that repeats another page's block word for word (the README's examples of a command
+that docs/ describes) runs once, where it first appears.
 
 The shell blocks run in a copy of the repository made of links to its files, so that what they
 write (plots, traces, sweep folders) lands in a temporary folder, not in the work tree.
@@ -17,16 +21,20 @@ write (plots, traces, sweep folders) lands in a temporary folder, not in the wor
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
 import subprocess
 import sys
 from pathlib import Path
+from urllib.parse import unquote
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+DOCS = ROOT / "docs"
+PAGES = [README, *sorted(DOCS.glob("*.md"))]
 VENV_BIN = ROOT / ".venv" / "bin"
 SHARED = ROOT.parent / "shared"
 
@@ -46,13 +54,15 @@ class Block:
     attrs: dict
     text: str
     not_run: str | None     # the reason given, or None
+    source: str = "README.md"   # the page, relative to the repository's root
+    same_as: str | None = None  # the id of an earlier block with the same text, which runs
 
     @property
     def id(self) -> str:
-        return f"README.md:{self.line}-{self.lang or 'untagged'}"
+        return f"{self.source}:{self.line}-{self.lang or 'untagged'}"
 
 
-def parse_blocks(markdown: str) -> list[Block]:
+def parse_blocks(markdown: str, source: str = "README.md") -> list[Block]:
     blocks, lines = [], markdown.splitlines()
     i = 0
     while i < len(lines):
@@ -66,15 +76,29 @@ def parse_blocks(markdown: str) -> list[Block]:
         while end < len(lines) and lines[end].rstrip() != "```":
             end += 1
         if end == len(lines):
-            raise ValueError(f"README.md:{start + 1}: code block never closed")
+            raise ValueError(f"{source}:{start + 1}: code block never closed")
         marker = NOT_RUN.match(lines[start - 1].strip()) if start else None
         blocks.append(Block(start + 1, lang, attrs, "\n".join(lines[start + 1:end]) + "\n",
-                            marker.group(1) if marker else None))
+                            marker.group(1) if marker else None, source))
         i = end + 1
     return blocks
 
 
-BLOCKS = parse_blocks(README.read_text())
+def parse_pages(pages: list[Path]) -> list[Block]:
+    """Every page's blocks in order; a block that runs and repeats an earlier one word for word
+    is marked `same_as` it, so that it runs once."""
+    blocks, first = [], {}
+    for page in pages:
+        for b in parse_blocks(page.read_text(), page.relative_to(ROOT).as_posix()):
+            if b.lang in RUN and b.not_run is None and "file" not in b.attrs:
+                b.same_as = first.setdefault((b.lang, b.text), b.id)
+                if b.same_as == b.id:
+                    b.same_as = None
+            blocks.append(b)
+    return blocks
+
+
+BLOCKS = parse_pages(PAGES)
 
 
 def _mirror(src: Path, dst: Path, depth: int) -> None:
@@ -136,7 +160,17 @@ def _check(block: Block, proc: subprocess.CompletedProcess) -> None:
 
 
 def test_readme_has_code_blocks_to_run():
-    assert sum(b.lang in RUN and b.not_run is None for b in BLOCKS) >= 5
+    runs = [b for b in BLOCKS if b.lang in RUN and b.not_run is None and b.same_as is None]
+    assert sum(b.source == "README.md" for b in runs) >= 3
+    assert len(runs) >= 10
+
+
+def test_files_the_blocks_write_have_one_text_each():
+    texts = {}
+    for b in BLOCKS:
+        if "file" in b.attrs:
+            assert texts.setdefault(b.attrs["file"], b.text) == b.text, (
+                f"{b.id}: another page writes {b.attrs['file']} with other contents")
 
 
 @pytest.mark.parametrize("block", BLOCKS, ids=lambda b: b.id)
@@ -144,6 +178,8 @@ def test_readme_block_runs_as_written(block, repo_copy, emulator_cache, tmp_path
     if block.not_run is not None:
         assert block.not_run, f"{block.id}: a block not run must say why"
         pytest.skip(f"{block.id} not run: {block.not_run}")
+    if block.same_as is not None:
+        pytest.skip(f"{block.id} is {block.same_as} word for word, which runs")
     if "file" in block.attrs:
         assert "/" not in block.attrs["file"], f"{block.id}: name a file, not a path"
         return       # written where the other blocks run
@@ -191,3 +227,165 @@ def test_a_not_run_marker_exempts_only_the_block_after_it():
     blocks = parse_blocks("<!-- not run: minutes of work -->\n```sh\nmake bench\n```\n\n"
                           "```sh\nodma-hw devices\n```\n")
     assert [b.not_run for b in blocks] == ["minutes of work", None]
+
+
+def test_parse_pages_runs_a_repeated_block_once(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "README.md").write_text("```sh\nodma-hw devices\n```\n")
+    (tmp_path / "docs" / "a.md").write_text("# A\n\n```sh\nodma-hw devices\n```\n")
+    readme, doc = parse_pages([tmp_path / "README.md", tmp_path / "docs" / "a.md"])
+    assert (readme.same_as, doc.same_as, doc.id) == (None, "README.md:1-sh", "docs/a.md:3-sh")
+
+
+# --- the README's shape -------------------------------------------------------------------------
+
+def test_readme_is_short_and_shows_the_layout_on_its_first_screen():
+    assert len(README.read_bytes()) < 15_000, "README.md is the way in: results go to docs/"
+    lines = README.read_text().splitlines()
+    assert "## Layout" in lines[:60], "the layout is what a newcomer needs first"
+
+
+def test_the_ci_runs_the_test_command_the_readme_gives():
+    ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()
+          if line.strip().startswith("make ")]
+    assert ci, ".ci/run runs no make target"
+    shown = {b.text.split("#")[0].strip() for b in BLOCKS
+             if b.source == "README.md" and b.lang == "sh"}
+    for command in ci:
+        assert command in shown, f".ci/run runs `{command}`, which the README does not give"
+
+
+# --- links --------------------------------------------------------------------------------------
+
+LINK = re.compile(r"!?\[(?:[^\]\[]|\[[^\]]*\])*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
+CODE_SPAN = re.compile(r"(`+).*?\1")
+SCHEME = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*:")
+
+
+def prose_lines(markdown: str):
+    """(line number, line) outside fenced code blocks, with inline code spans blanked."""
+    fenced = False
+    for n, line in enumerate(markdown.splitlines(), 1):
+        if line.startswith("```"):
+            fenced = not fenced
+            continue
+        if not fenced:
+            yield n, CODE_SPAN.sub(lambda m: " " * len(m.group(0)), line)
+
+
+def links(markdown: str) -> list[tuple[int, str]]:
+    """(line number, target) of every link and image; a link's text may run over lines."""
+    lines = markdown.splitlines()
+    prose = dict(prose_lines(markdown))
+    text = "\n".join(prose.get(n, "") for n in range(1, len(lines) + 1))
+    return [(text.count("\n", 0, m.start()) + 1, m.group(1)) for m in LINK.finditer(text)]
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    text = re.sub(r"[`*_]|<[^>]*>", "", heading).strip().lower()
+    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+def anchors(markdown: str) -> set[str]:
+    seen, out = {}, set()
+    for _, line in prose_lines(markdown):
+        m = re.match(r"^#{1,6}\s+(.*?)\s*#*\s*$", line)
+        if m:
+            base = slug(m.group(1))
+            k = seen.get(base, 0)
+            seen[base] = k + 1
+            out.add(base if k == 0 else f"{base}-{k}")
+    return out
+
+
+def test_slugs_and_links_parse_as_github_reads_them():
+    assert slug("Reading `odma-hw probe`") == "reading-odma-hw-probe"
+    assert slug("Where paging wins: the map") == "where-paging-wins-the-map"
+    assert slug("The ODMA paper's experiment") == "the-odma-papers-experiment"
+    assert links("[a](docs/x.md#y) `[b](no.md)` ![c](p.png)\n```\n[d](e.md)\n```\n[the\n"
+                 "map](m.md)\n") == [(1, "docs/x.md#y"), (1, "p.png"), (5, "m.md")]
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_every_relative_link_points_at_a_file(page):
+    text, where = page.read_text(), page.relative_to(ROOT).as_posix()
+    bad = []
+    for n, target in links(text):
+        if SCHEME.match(target):
+            continue                  # a web address: not checked here
+        path, _, anchor = unquote(target).partition("#")
+        dest = (page.parent / path).resolve() if path else page
+        if ROOT not in (dest, *dest.parents):
+            bad.append(f"{where}:{n}: {target} leaves the repository")
+        elif not dest.exists():
+            bad.append(f"{where}:{n}: {target}: no such file")
+        elif anchor and dest.suffix == ".md" and anchor not in anchors(dest.read_text()):
+            bad.append(f"{where}:{n}: {target}: no heading #{anchor} in {dest.name}")
+    assert not bad, "\n".join(bad)
+
+
+def test_every_page_of_docs_is_linked_from_the_readme():
+    linked = {(README.parent / t.partition("#")[0]).resolve()
+              for _, t in links(README.read_text()) if not SCHEME.match(t)}
+    missing = [p.name for p in PAGES[1:] if p.resolve() not in linked]
+    assert not missing, f"README.md links no page {missing}"
+
+
+# --- the lists the docs keep: models, cards, emulator presets ------------------------------------
+
+def _section(markdown: str, heading: str) -> str:
+    start = markdown.index(f"\n{heading}\n")
+    end = markdown.find("\n## ", start + 1)
+    return markdown[start:end if end >= 0 else None]
+
+
+def list_tables(doc: dict) -> str:
+    """The README's tables of models and cards, as `odma-hw simulate --list --json` gives them."""
+    rows = ["| model | kind | layers | params | KV B/token | max context |",
+            "|---|---|---|---|---|---|"]
+    for m in doc["models"]:
+        kind = f"alias of `{m['alias_of']}`" if m["alias_of"] else m["kind"]
+        params = (f"{m['params'] / 1e9:.2f}B" if m["params"] >= 1e8
+                  else f"{m['params'] / 1e6:.2f}M")
+        rows.append(f"| `{m['name']}` | {kind} | {m['layers']} | {params} | "
+                    f"{m['kv_bytes_per_token']} | {m['max_context']} |")
+    rows += ["", "| card | GB/s | GB | TFLOPS bf16 | timing |", "|---|---|---|---|---|"]
+    for c in doc["cards"]:
+        timing = c["timing"]
+        if timing.startswith("probe:"):          # a path on this machine: its name is enough
+            timing = "probe:" + Path(timing[len("probe:"):]).name
+        rows.append(f"| `{c['name']}` | {c['bandwidth_gbps']:g} | {c['capacity_gb']:g} | "
+                    f"{c['tflops_bf16']:g} | `{timing}` |")
+    return "\n".join(rows)
+
+
+def test_the_readme_lists_the_models_and_cards_simulate_lists():
+    proc = subprocess.run([str(VENV_BIN / "odma-hw"), "simulate", "--list", "--json"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    section = _section(README.read_text(), "## Models and cards")
+    expected = list_tables(json.loads(proc.stdout))
+    for table in expected.split("\n\n"):
+        assert table in section, (
+            "README.md's tables under '## Models and cards' differ from `odma-hw simulate "
+            f"--list --json`; they should read:\n\n{expected}\n")
+
+
+def test_every_shipped_card_and_config_is_in_the_readme():
+    section = _section(README.read_text(), "## Models and cards")
+    serving = ROOT / "allocator" / "serving"
+    shipped = [p.stem for p in sorted((serving / "cards").glob("*.toml"))]
+    shipped += [p.stem for p in sorted((serving / "configs").glob("*.json"))]
+    assert shipped
+    missing = [name for name in shipped if f"| `{name}` |" not in section]
+    assert not missing, f"README.md's '## Models and cards' lacks {missing}"
+
+
+def test_the_emulator_page_lists_every_preset():
+    from odma_hw.emu.specs import PRESETS
+    rows = re.findall(r"^\| `([^`]+)` \|", (DOCS / "emulator.md").read_text(), re.M)
+    assert sorted(rows) == sorted(PRESETS), (
+        f"docs/emulator.md's presets {sorted(rows)} against odma_hw/emu/specs.py's "
+        f"{sorted(PRESETS)}")

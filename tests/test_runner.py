@@ -4,7 +4,10 @@ sizes vLLM pads to; options that cannot run here are refused in one line before 
 
 from __future__ import annotations
 
+import types
+
 import numpy as np
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -156,6 +159,29 @@ def test_padded_decode_graph_steps_make_generates_tokens(monkeypatch):
                                               extent_knee_tokens=4, extent_max=4))
         assert run["tokens"] == reference, policy
         assert {3, 5} & set(replays), replays        # batches padded to 4 and 6
+
+
+def test_a_capture_that_fails_once_is_tried_again_with_the_collector_kept_out(monkeypatch):
+    import gc
+    import io
+
+    from allocator.serving import runner as runner_mod
+
+    tries = []
+
+    def capture(self):
+        tries.append(gc.isenabled())
+        if len(tries) == 1:
+            raise RuntimeError("operation not permitted when stream is capturing")
+    monkeypatch.setattr(runner_mod.DecodeGraphs, "__init__", lambda self, *a: None)
+    monkeypatch.setattr(runner_mod.DecodeGraphs, "capture", capture)
+    monkeypatch.setattr(runner_mod.torch.cuda, "synchronize", lambda: None)
+    runner = types.SimpleNamespace(graphs=None)
+    warn = io.StringIO()
+    graphs = runner_mod.make_graphs(runner, 4, 16, warn=warn)
+    assert graphs is not None and runner.graphs is graphs
+    assert tries == [False, False] and gc.isenabled()
+    assert warn.getvalue() == ""
 
 
 def test_a_failed_capture_runs_eagerly_after_one_line():

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from allocator.serving.scheduler import DISTANCES, WaitingQueue
+from allocator.serving.core.queue import DISTANCES, WaitingQueue
 
 
 def scan(rule, queue, arrival, prefix, distance, now):

@@ -9,7 +9,8 @@ import dataclasses
 import numpy as np
 import pytest
 
-from allocator.serving.engine import RequestState, ServingSetup, Simulation
+from allocator.serving.core.requests import RequestState
+from allocator.serving.engine import ServingSetup, Simulation
 from allocator.serving.presets import accelerator, model_spec
 from allocator.serving.timing import MeasuredTiming
 from odma_hw.cli import main
@@ -36,13 +37,13 @@ def run(policy, **changes):
     reqs = requests()
     sim = Simulation(setup, policy, reqs)
     sched, fills, swapped = sim.sched, [], []
-    out = sched.swap_out
+    out = sim.executor.swap_out
 
     def watched(i, r, tokens):
         out(i, r, tokens)
         swapped.append(tokens)
         fills.append(sched.swapped_bytes + tokens * sched.bpt)
-    sched.swap_out = watched
+    sim.executor.swap_out = watched
     try:
         result = sim.run()
     finally:

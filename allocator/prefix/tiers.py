@@ -35,7 +35,7 @@ class TierSpace:
     counted at once, under the lock, so two threads never reserve the same bytes."""
 
     def _make_pool(self, tier: str, dev, nbytes: int):
-        from allocator.policies import OracleAllocator
+        from allocator.placement import OracleAllocator
 
         align = max(POOL_ALIGNMENT, dev.alignment if dev is not None else 0)
         usable = nbytes & ~(align - 1)

@@ -20,13 +20,15 @@ from odma_hw.errors import BadArgument, OdmaError, RunFailed
 from allocator.config import AllocatorConfig
 from allocator.policies import POLICIES
 from allocator.replay import add_policy_arguments
+from allocator.serving.core.checks import PREEMPTION, check_scheduling
+from allocator.serving.core.requests import fit_lengths
 from allocator.serving.engine import (MAX_TIER_BYTES, PAGED_LAYOUTS, SCHEDULES, PrefixSettings,
-                                     ServingSetup, check_policy, fit_lengths, progress_printer,
-                                     run_policy)
+                                     ServingSetup, check_policy, progress_printer, run_policy)
 from allocator.serving.models import shipped_configs
 from allocator.serving.presets import (DTYPE_BYTES, MODEL_ALIASES, MODELS, accelerator,
                                       card_names, model_spec)
-from allocator.serving.scheduler import PREEMPTION, check_scheduling
+from allocator.serving.profiles import EngineProfile, profile_names
+from allocator.serving.profiles import engine_profile as load_engine_profile
 from allocator.serving.timing import EmuSettings, make_timing
 from allocator.trace import (RequestTrace, arrival_seconds, load_trace, load_trace_once,
                              trace_check)
@@ -139,7 +141,8 @@ def simulate(trace, policies=("odma", "static", "paged"), rates=(None,), *,
              emu: EmuSettings | None = None, dtype="bf16", tp=1, replicas=1, requests=None,
              max_model_len=None, clip=False, time_scale=1.0, seed=0, config=None,
              prefix: PrefixSettings | None = None, progress=False, results: list | None = None,
-             failed: list | None = None, check_only=False, **setup_args) -> list[dict]:
+             failed: list | None = None, check_only=False, engine_profile=None,
+             **setup_args) -> list[dict]:
     """Simulate every (rate, policy) pair; returns one result dict per pair, rates outermost.
     `trace` is a RequestTrace or a CSV path; `device` a preset card's name or a card file;
     `timing` a source string (default: the card's); `emu` the emulator settings of an emu
@@ -148,8 +151,12 @@ def simulate(trace, policies=("odma", "static", "paged"), rates=(None,), *,
     list each finished run is appended to (default a new one), so that a caller keeps the
     finished runs when a later one is interrupted. `failed`: where given, a run that fails after
     the checks is recorded there as {"policy", "rate", "error"} and the others go on; else it
-    raises.
+    raises. engine_profile: a profile's name or file (allocator/serving/profiles), or an
+    EngineProfile, whose terms replace the card's overheads (default: the card's own).
     check_only: make every check that needs no measurement nor simulation, and return []."""
+    profile = engine_profile
+    if profile is not None and not isinstance(profile, EngineProfile):
+        profile = load_engine_profile(profile)
     if not isinstance(trace, RequestTrace):
         trace = load_trace(trace)
     if requests is not None:
@@ -166,6 +173,8 @@ def simulate(trace, policies=("odma", "static", "paged"), rates=(None,), *,
         raise BadArgument(f"--cobatch takes requests in arrival order: it does not combine "
                           f"with --prefix-schedule {prefix.schedule}")
     m, dev = model_spec(model), accelerator(device)
+    if profile is not None:
+        dev = profile.apply(dev)
     if not (isinstance(replicas, int) and replicas >= 1):
         raise BadArgument(f"replicas must be a positive integer, got {replicas!r}")
     emu = emu or card_emu(dev)
@@ -201,6 +210,7 @@ def simulate(trace, policies=("odma", "static", "paged"), rates=(None,), *,
                 failed.append({"policy": p, "rate": rate, "error": f"{exc}"})
                 continue
             r["rate"] = rate
+            r["engine_profile"] = None if profile is None else profile.name
             r["offered_rate"] = (len(trace) / max(float(arr.max()), 1e-12)
                                  if len(trace) > 1 else None)
             out.append(r)
@@ -299,6 +309,8 @@ def compute(args, results: list | None = None, failed: list | None = None,
                              bucket_rule=args.bucket_rule, bucket_basis=args.bucket_basis,
                              large_share=args.large_share, cold_start=args.cold_start,
                              demand_bound=args.demand_bound, background_refresh=False)
+    profile = (None if args.engine_profile is None
+               else load_engine_profile(args.engine_profile))
     dev = accelerator(args.device)
     emu = card_emu(dev, args.channels, interleave=args.interleave,
                    address_map=args.address_map, queue=args.queue, streams=args.streams,
@@ -324,7 +336,7 @@ def compute(args, results: list | None = None, failed: list | None = None,
         predictor=args.predictor, max_batched_tokens=args.max_num_batched_tokens,
         concurrency=args.concurrency, preemption=args.preemption, swap_space_gb=args.swap_space,
         swap_gbps=args.pcie_gbps, cobatch=args.cobatch, results=results, failed=failed,
-        check_only=check_only)
+        check_only=check_only, engine_profile=profile)
     return {"schema": SCHEMA, "results": results, "failed": failed or []}
 
 
@@ -444,6 +456,9 @@ def sweep_checks() -> list[ValueCheck]:
             ValueCheck("max-model-len", ("trace", "requests", "max_model_len", "model", "clip"),
                        fits),
             ValueCheck("device", ("device",), lambda a: accelerator(a.device)),
+            ValueCheck("engine-profile", ("engine_profile",),
+                       lambda a: a.engine_profile is None
+                       or load_engine_profile(a.engine_profile)),
             ValueCheck("dtype", ("dtype", "device"),
                        lambda a: accelerator(a.device).peak_tflops(a.dtype)),
             ValueCheck("scheduling", ("max_batch", "max_num_batched_tokens", "concurrency",
@@ -488,6 +503,10 @@ def register(subparsers) -> None:
                         f"*.json, with name, bandwidth_gbps, capacity_gb, tflops_bf16, timing "
                         f"(emu:PRESET, probe:FILE or ideal), link_gbps, link_latency_us (see "
                         f"--list and the README)")
+    p.add_argument("--engine-profile", default=None, metavar="NAME|FILE",
+                   help=f"the serving engine's per-step terms (overheads, weight read "
+                        f"efficiency) in place of the card's: a preset ({', '.join(profile_names())}"
+                        f") or a profile file (TOML); default: the card's own")
     p.add_argument("--tp", type=argtypes.positive_int, default=1,
                    help="tensor-parallel cards per replica (default 1)")
     p.add_argument("--replicas", type=argtypes.positive_int, default=1,

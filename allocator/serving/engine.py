@@ -2,18 +2,16 @@
 with every KV decision made by a real allocator and every step timed by a memory timing source.
 
 - ServingSetup: the model, the card, the timing source and the serving settings of a run.
-- Simulation: one replica; its Scheduler (allocator.serving.scheduler) makes every admission,
-  growth, preemption and completion decision, its StepTimer (allocator.serving.steptime) costs
-  every prefill, decode step and migration, and its loop drives the two event by event.
-- run_policy: a whole trace on one or more replicas, summarised by allocator.serving.metrics.
+- Simulation: one replica; its Scheduler (allocator.serving.core) makes every admission,
+  growth, preemption and completion decision, its TimedExecutor (allocator.serving.timed)
+  costs every prefill, decode step and migration, and the core's loop drives the two.
+- run_policy: a whole trace on one or more replicas, summarised by allocator.serving.core.metrics.
 No request is lost: a run ends when every request has made all its tokens.
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
-import heapq
 import math
 import sys
 import time
@@ -23,18 +21,19 @@ import numpy as np
 from odma_hw.errors import BadArgument
 
 from allocator.config import AllocatorConfig
-from allocator.errors import OutOfMemory
 from allocator.policies import make_allocator
-from allocator.predictors import make_predictor
-from allocator.serving.metrics import summarise
+from allocator.policies import policy as policy_spec
+from allocator.serving.core.build import SchedulingOptions, build_scheduler
+from allocator.serving.core.checks import check_scheduling
+from allocator.serving.core.drive import drive
+from allocator.serving.core.metrics import summarise
+from allocator.serving.core.requests import RequestState, fit_lengths
 from allocator.serving.presets import DTYPE_BYTES, Accelerator, ModelSpec
-from allocator.serving.scheduler import Scheduler, check_scheduling
-from allocator.serving.steptime import StepTimer, extent_config
+from allocator.serving.steptime import extent_config
+from allocator.serving.timed import TimedExecutor
 
 LAYOUTS = ("contiguous", "v06", "hnd", "nhd")
 PAGED_LAYOUTS = LAYOUTS[1:]
-RELINEARIZE = 64                 # steps between re-reads of a contiguous request's efficiency
-SERIES_POINTS = 400
 MAX_TIER_BYTES = 2**63 - 1
 
 
@@ -96,6 +95,13 @@ class ServingSetup:
                               f"{self.memory_utilization}")
 
     @property
+    def scheduling(self) -> SchedulingOptions:
+        """The Scheduler's options of this setup."""
+        return SchedulingOptions(self.max_batch, self.max_model_len, self.max_prefill_tokens,
+                                 self.max_batched_tokens, self.concurrency, self.preemption,
+                                 self.swap_bytes, self.cobatch)
+
+    @property
     def swap_bytes(self) -> int:
         gb = self.swap_space_gb
         if not (isinstance(gb, (int, float)) and 0 <= gb * 1e9 <= MAX_TIER_BYTES):
@@ -154,37 +160,6 @@ class ServingSetup:
         if layout == "nhd":
             return 2 * m.layers, h * g, True
         return 2 * m.layers * h, g, h == 1          # v06, hnd: a run per (page, head)
-
-
-class RequestState:
-    __slots__ = ("rid", "prompt", "gen", "made", "arrival", "first_token", "finish",
-                 "preemptions", "predicted", "start_step", "a", "slope", "ab",
-                 "sb", "epoch", "cap", "prefix", "prefix_tokens", "offer", "covered",
-                 "prefilled", "swapped")
-
-    def __init__(self, rid, prompt, gen, arrival, prefix="", prefix_tokens=0, offer=""):
-        self.rid = rid
-        self.prompt = prompt        # tokens of the original prompt
-        self.gen = gen              # tokens it makes in all
-        self.made = 0               # tokens made so far (kept across preemptions)
-        self.arrival = arrival
-        self.first_token = None
-        self.finish = None
-        self.preemptions = 0
-        self.predicted = None       # (L, u) made once, before the first admission
-        self.start_step = 0         # decode step at which `made` holds
-        self.a = 0.0                # KV seconds at step s = a + s x slope
-        self.slope = 0.0
-        self.ab = 0.0               # KV bytes at step s = ab + s x sb
-        self.sb = 0.0
-        self.epoch = 0
-        self.cap = 0
-        self.prefix = prefix        # key of the prefix its prompt starts with ("" for none)
-        self.prefix_tokens = prefix_tokens
-        self.offer = offer          # key its whole context is offered under when it completes
-        self.covered = 0            # prompt tokens the cache covered at its last admission
-        self.prefilled = 0          # chunked prefill: context tokens computed (or restored)
-        self.swapped = 0            # preempted by swap: tokens of its KV the host holds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -253,19 +228,16 @@ def check_pool(policy: str, pool_bytes: int, bytes_per_token: int, max_model_len
 
 class Simulation:
     """One replica (a card or a TP group) serving its share of the requests: the Scheduler
-    decides, the StepTimer costs each step, and the loop here drives them event by event.
-    Between two events (an arrival, a completion, a block outgrown, a page boundary) the batch
-    does not change, so any number of decode steps is summed in closed form; a contiguous
-    request's efficiency is re-read every RELINEARIZE steps."""
+    (allocator.serving.core) decides and the TimedExecutor (allocator.serving.timed) costs each
+    step, under the core's one loop (core.drive)."""
 
     def __init__(self, setup: ServingSetup, policy: str, requests: list[RequestState],
                  progress=None, prefix: PrefixSettings | None = None):
         self.s = setup
         self.policy = policy
-        self.layout = ("extent" if policy in ("extent", "elastic") else
-                       setup.paged_layout if policy == "paged" else "contiguous")
+        spec = policy_spec(policy)
+        self.layout = setup.paged_layout if spec.layout == "paged" else spec.layout
         self.requests = requests
-        self.progress = progress
         bpt = setup.kv_bytes_per_token
         pool = kv_pool_bytes(setup, prefix)
         self.cache = None
@@ -284,285 +256,25 @@ class Simulation:
                     disk_write_gbps=prefix.disk_write_gbps))
         self.prefix = prefix
         # extents grow by this card's knee, which only the timing source knows
-        config = extent_config(setup) if self.layout == "extent" else setup.config
+        config = extent_config(setup) if spec.knee else setup.config
         self.alloc = make_allocator(policy, None, pool, bpt, setup.max_model_len,
                                     config, page_tokens=setup.page_tokens)
-        predictor = make_predictor("oracle" if policy == "oracle" else setup.predictor,
-                                   seed=setup.seed, sigma=setup.noise_sigma)
-        self.tot = collections.Counter()      # seconds by component, and counts
-        self.sched = Scheduler(
-            self.alloc, predictor, requests, max_batch=setup.max_batch,
-            max_prefill=setup.max_prefill_tokens or max(setup.max_model_len, 2048),
-            bytes_per_token=bpt, cache=self.cache,
+        self.sched = build_scheduler(
+            spec, self.alloc, requests, setup.scheduling, predictor=setup.predictor,
+            bytes_per_token=bpt, seed=setup.seed, sigma=setup.noise_sigma, cache=self.cache,
             schedule=prefix.schedule if prefix else "fcfs",
-            prefetch=prefix.prefetch if prefix else 0, tot=self.tot,
-            max_batched_tokens=setup.max_batched_tokens, concurrency=setup.concurrency,
-            preemption=setup.preemption, swap_bytes=setup.swap_bytes, cobatch=setup.cobatch)
-        self.timer = StepTimer(setup, self.layout)
-        # a running request's tokens are counted lazily (made at start_step): what the
-        # scheduler's least-progress rule reads, and what a request preempted to make room
-        # for another's growth settles before it leaves the batch
-        sched = self.sched
-
-        def context_of(i, r):
-            return r.prompt + r.made + (self.step - r.start_step if i in sched.running else 0)
-
-        def evicting(i, r):
-            r.made += self.step - r.start_step
-            r.start_step = self.step
-            self.timer.add(r, -1)
-        sched.context_of, sched.evicting = context_of, evicting
-        # swaps copy KV over the host link; the step that swaps waits for them
-        self.swap_due = 0.0
-
-        def swapping(i, r, tokens):
-            self.swap_due += tokens * bpt / (setup.swap_gbps * 1e9)
-        sched.swap_out = sched.swap_in = swapping
-        self.events: list = []     # (step, kind, request, epoch): 0 done, 1 outgrown, 2 re-read
-        self.step = 0              # decode steps done; the next one has this index
-        self.dma_busy_until = 0.0  # prefetches and offers: the copy engine, beside compute
-
-    def _schedule(self, i, r) -> None:
-        """Events of a running request from its snapshot (made at start_step)."""
-        e, base, events = r.epoch, r.start_step, self.events
-        heapq.heappush(events, (base + r.gen - r.made, 0, i, e))
-        if r.prompt + r.gen > r.cap:       # the step needing cap + 1 tokens
-            heapq.heappush(events, (base + r.cap - r.prompt - r.made, 1, i, e))
-        if self.layout == "contiguous" and r.gen - r.made > RELINEARIZE:
-            heapq.heappush(events, (base + RELINEARIZE, 2, i, e))
-
-    def _finish(self, i, r, t: float) -> None:
-        # its offers to the cache run on the copy engine beside compute, as prefetches do:
-        # they delay later restores and prefetches, not the decode steps
-        offered = self.sched.finish(i, r, t)
-        if offered:
-            self.dma_busy_until = max(self.dma_busy_until, t) + offered
-
-    def _prefill(self, now: float) -> float:
-        """Admission, prefix restores and the prefill iteration of the admitted; its seconds
-        (0 when nothing was admitted)."""
-        sched, timer, tot = self.sched, self.timer, self.tot
-        admitted, restore = sched.admit(now)
-        if not admitted and not sched.resuming:
-            return 0.0
-        restore = self._restore_and_prefetch(now, admitted, restore)
-        parts = [(h, c) for _, _, h, c in admitted]
-        secs = 0.0
-        if parts:
-            secs, flops, nbytes = timer.prefill(parts)
-            if self.cache is not None:
-                tot["prefill_saved"] += timer.prefill([(h, 0) for h, _ in parts])[0] - secs
-            timer.note_prefill(secs, flops, nbytes)
-            tot["prefills"] += 1
-        secs += restore
-        end = now + secs
-        stall = sum(self._prefilled(i, r, end) for i, r, _, _ in admitted)
-        self._resumed()
-        tot["prefill"] += secs
-        tot["prefill_tokens"] += sum(h - c for h, c in parts)
-        return secs + stall + self._swaps()
-
-    def _resumed(self) -> None:
-        """The swapped requests readmitted by this step join the decodes."""
-        for i, r in self.sched.resume():
-            self.timer.start(r, self.step, self.alloc.block(i))
-            self._schedule(i, r)
-
-    def _prefilled(self, i, r, end: float) -> float:
-        """Request i's prefill completed at `end`: it finishes, or joins the decodes (growing
-        for its next token's slot), or is preempted; seconds a migration stalled the step."""
-        sched, timer = self.sched, self.timer
-        if sched.made_first_token(i, r, end):
-            self._finish(i, r, end)
-            return 0.0
-        try:
-            blk, moved = sched.run_on(i, r)
-        except OutOfMemory:
-            sched.preempt(i, r)
-            return 0.0
-        extra = timer.migration_seconds(moved)
-        self.tot["migration"] += extra
-        timer.start(r, self.step, blk)
-        self._schedule(i, r)
-        return extra
-
-    def _restore_and_prefetch(self, now: float, admitted, restore: float) -> float:
-        """Prefix bookkeeping of an admission: a restore waits for the copy engine; the
-        prefetches of the next queued prefixes start. The restore's seconds."""
-        if self.cache is None:
-            return restore
-        if restore and self.dma_busy_until > now:
-            restore += self.dma_busy_until - now
-        tot = self.tot
-        tot["prefix_restore"] += restore
-        tot["prefix_covered_tokens"] += sum(c for _, _, _, c in admitted)
-        ahead = self.sched.prefetch()
-        if ahead:
-            self.dma_busy_until = max(self.dma_busy_until, now) + ahead
-        return restore
-
-    def _chunked_step(self, now: float) -> float:
-        """Chunked prefill: one step of every running request's decode and the prompt chunks
-        that fit the token budget; its seconds (0 when there was no chunk to run, and decoding
-        goes on in closed form)."""
-        sched, timer, tot = self.sched, self.timer, self.tot
-        nb = len(sched.running)
-        chunks, admitted, restore = sched.chunks(now)
-        if not chunks and not sched.resuming:
-            return 0.0
-        restore = self._restore_and_prefetch(now, admitted, restore)
-        if self.cache is not None and admitted:
-            whole = [(h, 0) for _, _, h, _ in admitted]
-            part = [(h, c) for _, _, h, c in admitted]
-            tot["prefill_saved"] += timer.prefill(whole)[0] - timer.prefill(part)[0]
-        secs = restore
-        if nb or chunks:                   # else only swapped requests came back
-            secs += timer.mixed_step(nb, self.step, [(start, k) for _, _, start, k in chunks],
-                                     tot)
-        end = now + secs
-        if nb:
-            self.step += 1                 # every running request made a token
-        stall = self._events(end)          # their completions and growth come first
-        for i, r, _, k in chunks:
-            if sched.chunk_done(i, r, k):
-                stall += self._prefilled(i, r, end)
-        self._resumed()
-        return secs + stall + self._swaps()
-
-    def _events(self, now: float) -> float:
-        """Handle the events due by the current step; seconds migrations stalled it."""
-        sched, timer, tot, events, reqs = self.sched, self.timer, self.tot, self.events, \
-            self.requests
-        stall = 0.0
-        while events and events[0][0] <= self.step:
-            at, kind, i, e = heapq.heappop(events)
-            r = reqs[i]
-            if e != r.epoch or i not in sched.running:
-                continue
-            if kind == 0:
-                timer.add(r, -1)
-                self._finish(i, r, now)
-                continue
-            r.made += at - r.start_step
-            r.start_step = at
-            if kind == 1:
-                try:
-                    blk, moved = sched.grow(i, r.prompt + r.made + 1)
-                except OutOfMemory:
-                    timer.add(r, -1)
-                    sched.preempt(i, r)
-                    continue
-                extra = timer.migration_seconds(moved)
-                stall += extra
-                tot["migration"] += extra
-                timer.relinearize(r, blk)
-                if r.prompt + r.gen > r.cap:
-                    heapq.heappush(events, (at + r.cap - r.prompt - r.made, 1, i, e))
-            else:
-                timer.relinearize(r, self.alloc.block(i))
-                if r.gen - r.made > RELINEARIZE:
-                    heapq.heappush(events, (at + RELINEARIZE, 2, i, e))
-        return stall + self._swaps()
-
-    def _swaps(self) -> float:
-        """Seconds of the swaps since the last call (the step that made them waits)."""
-        secs, self.swap_due = self.swap_due, 0.0
-        self.tot["swap"] += secs
-        return secs
+            prefetch=prefix.prefetch if prefix else 0)
+        self.tot = self.sched.tot             # seconds by component, and counts
+        self.executor = TimedExecutor(setup, self.sched, self.layout, progress)
+        self.timer = self.executor.timer
 
     def run(self) -> dict:
         """Serve every request; returns the metrics (see summarise())."""
-        s, alloc, reqs, sched, tot = self.s, self.alloc, self.requests, self.sched, self.tot
-        n = len(reqs)
-        running, waiting = sched.running, sched.waiting
-        now = t_first = reqs[sched.order[0]].arrival
-        self.dma_busy_until = now
-        peak_batch = 0
-        series: list = []
-        next_sample = now
-        pool = alloc.pool_bytes
-        while sched.done < n:
-            sched.arrive(now)
-            if sched.chunked:
-                secs = self._chunked_step(now)
-            elif waiting and len(running) < s.max_batch:
-                secs = self._prefill(now)
-            else:
-                secs = 0.0
-            peak_batch = max(peak_batch, len(running))
-            if secs:
-                tot["occupancy_seconds"] += secs * alloc.reserved_bytes / pool
-                now += secs
-                if sched.chunked:          # a chunked step is a decode step too
-                    next_sample = self._sample(now, t_first, next_sample, series)
-                continue
-            if not running:
-                t = sched.next_send()
-                if t is None:
-                    raise RuntimeError("simulation stalled: requests wait and nothing runs")
-                now = max(now, t)
-                continue
-            # decode steps up to the next event, or to the step during which a request arrives
-            nb = len(running)
-            t = sched.next_send()
-            dt = t - now if t is not None and not waiting and nb < s.max_batch else None
-            k, secs = self.timer.decode_span(nb, self.step, self.events[0][0] - self.step, dt,
-                                             tot)
-            tot["occupancy_seconds"] += secs * alloc.reserved_bytes / pool
-            now += secs
-            self.step += k
-            now += self._events(now)
-            next_sample = self._sample(now, t_first, next_sample, series)
-        tot["peak_batch"] = peak_batch
-        tot["floor_margin_min"] = self.timer.floor_margin
-        tot["compute_floor_margin_min"] = self.timer.compute_margin
-        tot["prefill_floor_margin_min"] = self.timer.prefill_margin
-        return dict(totals=tot, series=series, t_first=t_first, t_end=now,
-                    allocator=alloc.stats())
-
-    def _sample(self, now: float, t_first: float, next_sample: float, series: list) -> float:
-        """A point of the time series when one is due, and the progress line; the next due."""
-        sched = self.sched
-        if now >= next_sample:
-            next_sample = now + max(1e-3, (now - t_first) / SERIES_POINTS)
-            series.append((now, len(sched.running), len(sched.waiting),
-                           self.alloc.reserved_bytes / self.alloc.pool_bytes))
-        if self.progress:
-            self.progress(sched.done, len(self.requests), now)
-        return next_sample
+        drive(self.sched, self.executor)
+        return self.executor.result()
 
 
 # ----------------------------------------------------------------------------- whole runs
-def fit_lengths(trace, max_model_len: int | None, model: ModelSpec, clip: bool):
-    """(prompt, generated, kept indices, max_model_len, counts of dropped/truncated requests).
-    Every request makes at least one token. A request longer than max_model_len (or than the
-    model's context) is refused, unless clip: then a prompt that alone does not fit is dropped
-    (a server rejects it) and a generation is cut where the length runs out (a server stops)."""
-    prompt = trace.prompt.astype(np.int64)
-    gen = np.maximum(trace.generated.astype(np.int64), 1)
-    longest = int((prompt + gen).max())
-    cap = longest if max_model_len is None else int(max_model_len)
-    if cap > model.max_context:
-        if max_model_len is not None:
-            raise BadArgument(f"--max-model-len {cap} exceeds {model.name}'s context of "
-                              f"{model.max_context} tokens")
-        cap = model.max_context
-    over = prompt + gen > cap
-    if over.any() and not clip:
-        i = int(np.flatnonzero(over)[0])
-        raise BadArgument(f"{int(over.sum())} requests of {trace.name} exceed the "
-                          f"{cap}-token limit (request {i}: {prompt[i]} + {gen[i]} tokens; "
-                          f"{model.name} takes {model.max_context}): pass --clip to drop "
-                          f"or truncate them, or raise --max-model-len")
-    keep = np.flatnonzero(prompt < cap)
-    dropped = len(prompt) - len(keep)
-    truncated = int((over[keep]).sum())
-    gen = np.minimum(gen, cap - prompt)
-    if not len(keep):
-        raise BadArgument(f"no request of {trace.name} fits in {cap} tokens")
-    return prompt[keep], gen[keep], keep, cap, dropped, truncated
-
-
 def run_policy(trace, arrivals, policy: str, setup: ServingSetup, *, replicas: int = 1,
                clip: bool = False, progress=None, prefix: PrefixSettings | None = None) -> dict:
     """Serve `trace` (arrival seconds given) with `policy` on `replicas` replicas (request i

@@ -30,11 +30,12 @@ def prepare(args):
 
     from allocator.config import AllocatorConfig
     from allocator.serving.cli import check_options_used, parse_policies
-    from allocator.serving.engine import check_pool, fit_lengths
+    from allocator.serving.core.requests import fit_lengths
+    from allocator.serving.engine import check_pool
     from allocator.serving.presets import accelerator, model_from_config
     from allocator.serving.run_attention import attention_backend
     from allocator.serving.torch_engine import use_graphs
-    from allocator.serving.scheduler import check_scheduling
+    from allocator.serving.core.checks import check_scheduling
     from allocator.pool import resolve_device
     from allocator.trace import arrival_seconds, load_trace
 
@@ -127,8 +128,8 @@ def compute(args, results: list | None = None, failed: list | None = None) -> di
     others go on (as simulate's runs); else it raises."""
     p = prepare(args)
     from allocator.serving.hf_reference import run_hf
-    from allocator.serving.torch_engine import (build_model, check_tokens, prompt_ids, serve,
-                                                summarise)
+    from allocator.serving.core.metrics import summarise_engine as summarise
+    from allocator.serving.torch_engine import build_model, check_tokens, prompt_ids, serve
 
     model = build_model(p["config"], args.dtype, p["device"], args.seed, p["weights"])
     prompts = prompt_ids(len(p["prompt"]), p["prompt"], p["config"].vocab_size, args.seed)
@@ -148,7 +149,8 @@ def compute(args, results: list | None = None, failed: list | None = None) -> di
     pooled = [policy for policy in p["policies"] if policy != "hf"]
     if pooled:
         # untimed, as a server that has run a while: the first max-batch requests, 1-4
-        # tokens each, through the first policy as it will run (its graphs captured), so that
+        # tokens each, through the first policy as it will run (its graphs captured, its
+        # prompts chunked as they will be), so that
         # torch's start-up and the kernels each step's shapes load or compile (cuBLAS, Triton)
         # do not land on the first policy measured; each request within the max model length
         # of a pool prepare() checked
@@ -158,7 +160,7 @@ def compute(args, results: list | None = None, failed: list | None = None) -> di
               [0.0] * len(warm), pooled[0], pool_bytes=p["pool"],
               max_model_len=p["max_model_len"], max_batch=args.max_batch,
               page_tokens=args.page_tokens, config=p["alloc_config"], attention=p["attention"],
-              cuda_graphs=args.cuda_graphs)
+              cuda_graphs=args.cuda_graphs, max_batched_tokens=args.max_num_batched_tokens)
     for policy in p["policies"]:
         show = progress(policy) if not args.json or os.isatty(2) else None
         try:

@@ -27,7 +27,7 @@ import time
 
 from odma_hw.errors import BadArgument, DeviceUnavailable
 
-from allocator.serving.engine import RequestState
+from allocator.serving.core.requests import RequestState
 
 NO_EOS = -1                 # transformers keeps only non-negative end-of-sequence ids
 PROGRESS_EVERY = 1.0        # seconds between progress calls

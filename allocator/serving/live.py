@@ -53,7 +53,7 @@ from allocator.config import AllocatorConfig
 from allocator.contiguous import ContiguousPool
 from allocator.errors import StaleBlock
 from allocator.paged import PagedAllocator
-from allocator.policies import RacmAllocator
+from allocator.placement import RacmAllocator
 from allocator.pool import resolve_device
 from allocator.serving.presets import ModelSpec, model_spec
 

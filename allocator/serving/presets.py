@@ -195,10 +195,24 @@ class Accelerator:
     layer_overhead_us: float = LAYER_OVERHEAD_US
     request_overhead_us: float = REQUEST_OVERHEAD_US
     layer_request_overhead_us: float = LAYER_REQUEST_OVERHEAD_US
+    step_overhead_us: float = 0.0   # per step, whatever its batch and depth (sampling, LM head)
+    # the same of steps that run prompts (whole or chunks), where an engine runs those
+    # differently (eagerly where its decode steps replay CUDA graphs): per step, per layer, per
+    # prompt per layer; None: the decode steps' overheads
+    prefill_step_overhead_us: float | None = None
+    prefill_layer_overhead_us: float | None = None
+    prefill_layer_request_overhead_us: float | None = None
+    # the share of the sequential read rate at which the serving engine's decode streams the
+    # weights (its matrix-vector kernels); an engine profile (allocator/serving/profiles) sets it
+    weight_read_efficiency: float = 1.0
     mfu: float | None = None        # replaces simulate's default --mfu where given
     # measured matrix-product throughput by rows (tokens) in the product, ((rows, TFLOPS), ...):
     # where given, a step's compute runs at its row count's throughput instead of peak x mfu
     matmul_tflops: tuple | None = None
+    # the serving engine's own read rate of KV runs by run bytes, ((bytes, GB/s), ...), as its
+    # attention kernel reads them (calibrate measures it): where given, a step's KV reads cost
+    # this instead of the memory's rate from `timing`, which still sizes extents and weights
+    engine_run_gbps: tuple | None = None
     source: str = ""
     path: str = ""                  # the card file
 
@@ -241,8 +255,14 @@ CARD_KEYS = {
     "layer_overhead_us": (False, MICROSECONDS),
     "request_overhead_us": (False, MICROSECONDS),
     "layer_request_overhead_us": (False, MICROSECONDS),
+    "step_overhead_us": (False, MICROSECONDS),
+    "prefill_step_overhead_us": (False, MICROSECONDS),
+    "prefill_layer_overhead_us": (False, MICROSECONDS),
+    "prefill_layer_request_overhead_us": (False, MICROSECONDS),
+    "weight_read_efficiency": (False, FRACTION),
     "mfu": (False, FRACTION),
     "matmul_tflops": (False, "table"),
+    "engine_run_gbps": (False, "rate table"),
     "source": (False, "text"),
 }
 
@@ -266,6 +286,12 @@ def _card_value(path, key: str, v):
                               f"(a prefill and a decode row count), got {datafile.shown(v)}; "
                               f"for one throughput at every row count, give tflops_* and mfu "
                               f"instead")
+        return tuple(rows.items())
+    if kind == "rate table":
+        rows = datafile.table(where, key, v, datafile.MAX_RUN_BYTES, BANDWIDTH_GBPS)
+        if len(rows) < 2:
+            raise BadArgument(f"{where}: {key!r} needs at least 2 run sizes to interpolate "
+                              f"between, got {datafile.shown(v)}")
         return tuple(rows.items())
     if kind == "count":
         ok = isinstance(v, int) and not isinstance(v, bool) and v >= 1

@@ -19,6 +19,7 @@ slots and run tables; a step copies its values into them and replays. Padded lan
 
 from __future__ import annotations
 
+import gc
 import importlib
 import sys
 
@@ -266,16 +267,30 @@ class DecodeGraphs:
         return self.logits[size][:n]
 
 
+CAPTURE_TRIES = 2
+
+
 def make_graphs(runner: Runner, max_batch: int, max_runs: int, warn=None):
-    """Decode graphs for `runner`, or None (with one line to `warn`) when capture fails: the
-    engine then runs every step eagerly."""
-    graphs = DecodeGraphs(runner, max_batch, max_runs)
-    try:
-        graphs.capture()
-    except Exception as exc:     # (CUDA, out of memory, a kernel that fails to compile)
-        why = one_line(exc, 200) or type(exc).__name__
-        print(f"odma-hw engine: CUDA graph capture failed ({why}); running eagerly",
-              file=warn or sys.stderr)
-        return None
-    runner.graphs = graphs
-    return graphs
+    """Decode graphs for `runner`, or None (with one line to `warn`) when capture fails twice:
+    the engine then runs every step eagerly. The garbage collector is run before a capture and
+    kept from running during it: a tensor freed then (pinned host memory of an earlier step,
+    whose free queries CUDA events) invalidates the capture, as it did on an H100 once."""
+    why = None
+    for _ in range(CAPTURE_TRIES):
+        graphs = DecodeGraphs(runner, max_batch, max_runs)
+        gc.collect()
+        gc.disable()
+        try:
+            torch.cuda.synchronize()
+            graphs.capture()
+        except Exception as exc:     # (CUDA, out of memory, a kernel that fails to compile)
+            why = one_line(exc, 200) or type(exc).__name__
+            del graphs
+            continue
+        finally:
+            gc.enable()
+        runner.graphs = graphs
+        return graphs
+    print(f"odma-hw engine: CUDA graph capture failed ({why}); running eagerly",
+          file=warn or sys.stderr)
+    return None

@@ -1,10 +1,17 @@
 """What the steps of one card of a replica cost: the timing executor of the serving simulation.
 
-    decode = max(memory, compute) + layers x (layer overhead + batch x layer-request overhead)
+    decode = max(memory, compute) + step overhead
+             + layers x (layer overhead + batch x layer-request overhead)
              + batch x request overhead + all-reduce (TP > 1), where
-      memory = weights / (seq GB/s) + sum over running requests of their KV runs / (run GB/s),
+      memory = weights / (seq GB/s) + sum over running requests of their KV runs / (run GB/s)
+               (run GB/s: the card's engine_run_gbps where it has one, the rate the engine's
+               attention reads runs at; else the memory's, from the card's timing source),
       compute = the batch's FLOPs (weights and attention over each context) / (peak x MFU)
-    prefill = max(FLOPs / (peak x MFU), bytes / seq GB/s) + layers x layer overhead + all-reduce
+    prefill = max(FLOPs / (peak x MFU), bytes / seq GB/s) + step overhead
+              + layers x (layer overhead + prompts x layer-request overhead) + all-reduce
+      (the card's prefill_* overheads where it gives them: an engine that replays its decode
+      steps from CUDA graphs runs prompts eagerly; a chunked step with prompt chunks in it
+      pays them instead of the decode step's per-step and per-layer ones)
     migration = 2 x bytes copied / copy GB/s (the copy counts read + write)
 KV runs by layout, per card with h KV heads, head_dim x 2 B = g bytes per token per run:
     contiguous: 2 x layers x h runs of ctx x g bytes;
@@ -26,6 +33,8 @@ import dataclasses
 import math
 
 import numpy as np
+
+from allocator.serving.timing import rate_table
 
 
 def knee_tokens(timing, run_unit_bytes: int, fraction: float, max_tokens: int) -> int:
@@ -90,8 +99,8 @@ class StepTimer:
             "contiguous" if layout == "extent" else layout)
         m, d = setup.model, setup.device
         # per step, independent of the batch: weights and per-layer overheads
-        self.w_seconds = setup.weight_bytes / (self.seq_gbps * 1e9)
-        self.layer_seconds = m.layers * d.layer_overhead_us * 1e-6
+        self.w_seconds = setup.weight_bytes / (self.seq_gbps * d.weight_read_efficiency * 1e9)
+        self.layer_seconds = (m.layers * d.layer_overhead_us + d.step_overhead_us) * 1e-6
         # all-reduce: 2 per layer of batch x hidden x 2 B, ring over TP cards
         tp = setup.tp
         if tp > 1:
@@ -103,6 +112,17 @@ class StepTimer:
         self.req_seconds = d.request_overhead_us * 1e-6
         # an engine that launches attention once per request per layer pays this per request
         self.layer_req_seconds = m.layers * d.layer_request_overhead_us * 1e-6
+        # steps with prompts in them: the card's own figures for them (any it gives; 0 for the
+        # others), else the decode steps'
+        pre = (d.prefill_step_overhead_us, d.prefill_layer_overhead_us,
+               d.prefill_layer_request_overhead_us)
+        if all(v is None for v in pre):
+            self.prefill_seconds, self.prefill_req_seconds = (self.layer_seconds,
+                                                              self.layer_req_seconds)
+        else:
+            step_us, layer_us, layer_req_us = (v or 0.0 for v in pre)
+            self.prefill_seconds = (m.layers * layer_us + step_us) * 1e-6
+            self.prefill_req_seconds = m.layers * layer_req_us * 1e-6
         self.card_flops = d.peak_tflops(setup.dtype) * 1e12
         # decode FLOPs per step on one card: per request, and per token of context (attention)
         self.flops_per_request = 2.0 * m.streamed_params / tp
@@ -112,6 +132,9 @@ class StepTimer:
             np.log2([r for r, _ in table]),
             np.array([t * 1e12 for _, t in table]) / self.card_flops)
         self.per_token = self.runs_per_unit * self.run_unit_bytes   # KV bytes per context token
+        # GB/s of the KV's runs by their size, as the engine reads them where the card says
+        self.kv_gbps = (rate_table(d.engine_run_gbps) if d.engine_run_gbps
+                        else setup.timing.run_gbps)
         self.sums = [0.0, 0.0, 0.0, 0.0]   # over running requests: a, slope, ab, sb
         self.floor_margin = math.inf       # min over steps of step seconds / (bytes / peak)
         self.compute_margin = math.inf     # min over steps of step seconds / (FLOPs / peak)
@@ -124,7 +147,7 @@ class StepTimer:
         unit = self.run_unit_bytes
         n = self.runs_per_unit
         per_token = n * unit
-        gbps = self.s.timing.run_gbps
+        gbps = self.kv_gbps
         if self.layout == "contiguous":
             run = ctx * unit
             bw = float(gbps(run)) * 1e9
@@ -159,7 +182,7 @@ class StepTimer:
         the chord of its read time from now to full, exact at both ends, where a slope at its
         current fill (a fresh extent holds one token: runs of head_dim x 2 B) would overstate the
         whole extent's cost until the next event."""
-        gbps = self.s.timing.run_gbps
+        gbps = self.kv_gbps
 
         def read(tokens):      # seconds of the n runs of `tokens` tokens each
             run = tokens * unit
@@ -212,7 +235,7 @@ class StepTimer:
         # an engine that runs attention request by request pays that per prompt too
         secs = (max(flops / (self.card_flops * self.efficiency(computed)),
                     nbytes / (self.seq_gbps * 1e9))
-                + self.layer_seconds + len(parts) * self.layer_req_seconds + self.ar_const
+                + self.prefill_seconds + len(parts) * self.prefill_req_seconds + self.ar_const
                 + computed * self.ar_per_token)
         return secs, flops, nbytes
 
@@ -320,7 +343,8 @@ class StepTimer:
         # every token of the step, decodes and chunks, goes through one matrix product
         eff_nb, eff = self.efficiency(nb), self.efficiency(nb + computed)
         f_all = (f_dec * eff_nb + chunk_flops / self.card_flops) / eff
-        extra = len(chunks) * self.layer_req_seconds + computed * self.ar_per_token
+        extra = (len(chunks) * self.prefill_req_seconds + computed * self.ar_per_token
+                 + self.prefill_seconds - self.layer_seconds)   # the step runs as a prefill
         secs = (max(m_dec + context * self.bpt / (self.seq_gbps * 1e9), f_all) + over
                 + extra)
         nbytes = s.weight_bytes + ab + sb * step + context * self.bpt

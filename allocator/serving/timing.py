@@ -60,6 +60,14 @@ def _interp_log2(sizes_log2: np.ndarray, values: np.ndarray, run_bytes) -> np.nd
     return np.interp(x, sizes_log2, values)
 
 
+def rate_table(table):
+    """run_gbps(run_bytes) of a table ((bytes, GB/s), ...): interpolated in log2 of the run
+    size, the nearest end's rate beyond the table (a card's engine_run_gbps)."""
+    x = np.log2(np.array([b for b, _ in table], dtype=np.float64))
+    y = np.array([g for _, g in table], dtype=np.float64)
+    return lambda run_bytes: _interp_log2(x, y, run_bytes)
+
+
 class MemoryTiming:
     """Base of the timing sources; subclasses fill a table of (log2 run size, GB/s)."""
 

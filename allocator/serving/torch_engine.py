@@ -38,15 +38,16 @@ import numpy as np
 from odma_hw.errors import BadArgument
 
 from allocator.config import AllocatorConfig
-from allocator.errors import OutOfMemory
 from allocator.policies import make_allocator
-from allocator.predictors import make_predictor
-from allocator.serving.engine import RequestState
+from allocator.policies import policy as policy_spec
+from allocator.serving.core.build import SchedulingOptions, build_scheduler
+from allocator.serving.core.drive import drive
+from allocator.serving.core.plan import PREFILL, Executor, Outcome, Plan
+from allocator.serving.core.requests import RequestState
 from allocator.serving.kv_runs import KVPool
 from allocator.serving.models import DTYPES, check_weights, head_dim, kv_bytes_per_token, need
 from allocator.serving import run_attention
 from allocator.serving.runner import Runner, make_graphs
-from allocator.serving.scheduler import Scheduler, check_scheduling
 
 import torch  # noqa: E402  (only `odma-hw engine` imports this module: torch is its to need)
 
@@ -146,23 +147,16 @@ def serve(model, prompts: list, gen: list, arrivals, policy: str, *, pool_bytes:
     reqs = [RequestState(i, int(prompts[i].numel()), int(gen[i]), float(arrivals[i]))
             for i in range(n)]
     bpt = kv_bytes_per_token(model.config, str(dtype).removeprefix("torch."))
-    check_scheduling(max_batch, max_batched_tokens, concurrency, preemption=preemption,
-                     swap_bytes=swap_bytes, cobatch=cobatch)
+    options = SchedulingOptions(max_batch, max_model_len, max_prefill, max_batched_tokens,
+                                concurrency, preemption, swap_bytes, cobatch)
     config = config or AllocatorConfig(background_refresh=False)
     alloc = make_allocator(policy, spec, pool_bytes, bpt, max_model_len, config,
                            page_tokens=page_tokens)
     try:
         kv = KVPool(alloc, model.config, dtype, head_dim(model.config))
-        sched = Scheduler(alloc, make_predictor("oracle" if policy == "oracle" else predictor,
-                                                seed=seed), reqs,
-                          max_batch=max_batch, max_prefill=max_prefill or max(max_model_len, 2048),
-                          bytes_per_token=bpt,
-                          migrate=None if kv.page_tokens is not None else kv.migrate, log=log,
-                          max_batched_tokens=max_batched_tokens, concurrency=concurrency,
-                          preemption=preemption, swap_bytes=swap_bytes, cobatch=cobatch)
-        host: dict = {}                # swapped requests' KV
-        sched.swap_out = lambda i, r, tokens: host.__setitem__(i, kv.save(i, tokens))
-        sched.swap_in = lambda i, r, tokens: kv.load(i, host.pop(i))
+        sched = build_scheduler(policy_spec(policy), alloc, reqs, options, predictor=predictor,
+                                bytes_per_token=bpt, seed=seed, log=log,
+                                migrate=None if kv.page_tokens is not None else kv.migrate)
         runner = Runner(model, kv, backend)
         if graphs:
             # the most runs a request can have: one per page, or one per extent of whole token
@@ -170,7 +164,9 @@ def serve(model, prompts: list, gen: list, arrivals, policy: str, *, pool_bytes:
             # any, is run eagerly)
             unit = kv.page_tokens if kv.page_tokens is not None else config.token_alignment
             make_graphs(runner, max_batch, max_batch * (-(-max_model_len // unit) + 1))
-        out = _Serving(runner, sched, prompts, keep_logits).run(progress)
+        executor = RunnerExecutor(runner, sched, prompts, keep_logits, progress)
+        drive(sched, executor)
+        out = executor.result()
         out["attention"] = backend
         out["cuda_graphs"] = runner.graphs is not None
         return out
@@ -191,22 +187,31 @@ def use_graphs(cuda_graphs: str, device, backend: str) -> bool:
     return able and cuda_graphs != "off"
 
 
-class _Serving:
-    """The engine's loop: the Scheduler decides, the Runner executes, one step at a time."""
+class RunnerExecutor(Executor):
+    """The engine's executor: each plan is one batched forward pass of the Runner, each decode
+    and each completed prompt picks its token greedily, and the clock is wall time."""
 
-    def __init__(self, runner, sched, prompts, keep_logits):
+    name = "engine"
+
+    def __init__(self, runner, sched, prompts, keep_logits, progress=None):
         self.runner = runner
         self.sched = sched
+        self.alloc = sched.alloc
         self.prompts = prompts
         self.keep_logits = keep_logits
+        self.progress = progress
         n = len(prompts)
         self.made = [[] for _ in range(n)]      # tokens made, kept across preemptions
         self.top = [[] for _ in range(n)]       # (values, indices) of the top logits per token
+        self.host: dict = {}                    # swapped requests' KV
         self.steps = self.batch_sum = self.peak_batch = 0
-        self.start = time.perf_counter()
+        self.start = self.last_progress = time.perf_counter()
 
     def now(self) -> float:
         return time.perf_counter() - self.start
+
+    def wait(self, until: float) -> None:
+        time.sleep(max(0.0, min(0.05, until - self.now())))
 
     def pick(self, logits):
         """The token each row of a step's `logits` chooses, read back once for the whole step
@@ -229,96 +234,56 @@ class _Serving:
         p = self.prompts[i]
         return torch.cat([p, torch.tensor(self.made[i], dtype=p.dtype)])
 
-    def prefilled(self, i, r, t) -> None:
-        """Request i's prefill completed (its first token made): it finishes, or joins the
-        decodes, or is preempted."""
-        sched = self.sched
-        if sched.made_first_token(i, r, t):
-            sched.finish(i, r, t)
-            return
-        try:
-            sched.run_on(i, r)
-        except OutOfMemory:
-            sched.preempt(i, r)
-
-    def decoded(self, ids, t) -> None:
-        """The running requests `ids` each made a token: completions, then growth for the next
-        token's slot, in request order."""
-        sched, reqs = self.sched, self.sched.reqs
-        for i in ids:
-            r = reqs[i]
-            if r.made >= r.gen:
-                sched.finish(i, r, t)
-        for i in ids:
-            r = reqs[i]
-            if i in sched.running and r.prompt + r.made + 1 > \
-                    sched.alloc.block(i).capacity_tokens:
-                try:
-                    sched.grow(i, r.prompt + r.made + 1)
-                except OutOfMemory:
-                    sched.preempt(i, r)
-
-    def step(self) -> bool:
-        """One prefill iteration or one (decode or mixed) step; whether anything ran."""
-        sched, reqs, made = self.sched, self.sched.reqs, self.made
-        running = sched.running
-        chunks = []
-        if not sched.chunked and sched.waiting and len(running) < sched.max_batch:
-            admitted, _ = sched.admit(self.now())
-            if admitted or sched.resuming:
-                batch = [(i, self.context(i), 0) for i, _, _, _ in admitted]
-                if batch:
-                    picked = self.pick(self.runner.forward(batch))
-                    for j, (i, _, _) in enumerate(batch):
-                        self.emit(i, picked, j)
-                t = self.now()
-                for i, r, _, _ in admitted:
-                    self.prefilled(i, r, t)
-                sched.resume()
-                self.peak_batch = max(self.peak_batch, len(running))
-                return True
-        elif sched.chunked:
-            chunks, _, _ = sched.chunks(self.now())
-        ids = sorted(running)
-        if not ids and not chunks:
-            came_back = bool(sched.resuming)   # (or, a copy failing, went back to the queue)
-            sched.resume()
-            return came_back
+    def execute(self, plan: Plan) -> Outcome:
+        if plan.kind == PREFILL:
+            batch = [(a.id, self.context(a.id), 0) for a in plan.admitted]
+            if batch:
+                picked = self.pick(self.runner.forward(batch))
+                for j, (i, _, _) in enumerate(batch):
+                    self.emit(i, picked, j)
+            return Outcome(self.now())
+        ids, chunks, reqs = plan.decodes, plan.chunks, self.sched.reqs
+        if not ids and not chunks:             # only swapped requests come back
+            return Outcome(self.now())
         # each decode feeds its last token, at the position after its context
-        batch = [(i, made[i][-1:], reqs[i].prompt + reqs[i].made - 1) for i in ids]
-        batch += [(i, self.context(i)[start:start + k], start) for i, _, start, k in chunks]
+        batch = [(i, self.made[i][-1:], reqs[i].prompt + reqs[i].made - 1) for i in ids]
+        batch += [(c.id, self.context(c.id)[c.start:c.start + c.tokens], c.start)
+                  for c in chunks]
         picked = self.pick(self.runner.forward(batch))
         for j, i in enumerate(ids):
             self.emit(i, picked, j)
             reqs[i].made += 1
+        for j, c in enumerate(chunks):
+            if c.last:
+                self.emit(c.id, picked, len(ids) + j)
         if ids:
             self.steps += 1
             self.batch_sum += len(ids)
-        t = self.now()
-        self.decoded(ids, t)
-        for j, (i, r, _, k) in enumerate(chunks):
-            if sched.chunk_done(i, r, k):
-                self.emit(i, picked, len(ids) + j)
-                self.prefilled(i, r, t)
-        sched.resume()
-        self.peak_batch = max(self.peak_batch, len(running))
-        return True
+        out = Outcome(self.now())
+        block = self.alloc.block
+        for i in ids:
+            r = reqs[i]
+            if r.made >= r.gen:
+                out.finished.append(i)
+            elif r.prompt + r.made + 1 > block(i).capacity_tokens:
+                out.outgrown.append(i)
+        return out
 
-    def run(self, progress) -> dict:
+    def settle(self, plan: Plan, outcome: Outcome) -> None:
+        if plan.kind == PREFILL or plan.decodes or plan.chunks:
+            self.peak_batch = max(self.peak_batch, len(self.sched.running))
+        if self.progress and time.perf_counter() - self.last_progress > 1.0:
+            self.last_progress = time.perf_counter()
+            self.progress(self.sched.done, len(self.sched.reqs), self.now())
+
+    def swap_out(self, i, r, tokens: int) -> None:
+        self.host[i] = self.runner.kv.save(i, tokens)
+
+    def swap_in(self, i, r, tokens: int) -> None:
+        self.runner.kv.load(i, self.host.pop(i))
+
+    def result(self) -> dict:
         sched = self.sched
-        n = len(sched.reqs)
-        last_progress = time.perf_counter()
-        while sched.done < n:
-            sched.arrive(self.now())
-            if not self.step():
-                t = sched.next_send()
-                if t is None:
-                    raise RuntimeError("engine stalled: requests wait and nothing runs")
-                time.sleep(max(0.0, min(0.05, t - self.now())))
-                continue
-            if progress and time.perf_counter() - last_progress > 1.0:
-                last_progress = time.perf_counter()
-                progress(sched.done, n, self.now())
         alloc, tot = sched.alloc, sched.tot
         return {"requests": sched.reqs, "tokens": self.made,
                 "top_logits": self.top if self.keep_logits else None,
@@ -373,37 +338,3 @@ def check_tokens(model, prompts: list, tokens: list, top: list, *, near_tie: flo
     return {"mismatches": mismatches, "near_ties": near_ties, "non_finite": non_finite,
             "max_logit_diff": worst if top is not None else None,
             "near_tie": near_tie, "logit_rtol": logit_rtol}
-
-
-# ----------------------------------------------------------------------------- a whole run
-def summarise(policy: str, run: dict, setup: dict) -> dict:
-    """The result object of one policy, with simulate's metric names."""
-    from allocator.serving.metrics import percentiles
-
-    reqs = run["requests"]
-    span = max(run["seconds"], 1e-12)
-    made = sum(len(t) for t in run["tokens"])
-    used, reserved = run["used_tokens"], run["reserved_tokens"]
-    a = run["allocator"]
-    return {
-        "policy": policy,
-        "requests": len(reqs),
-        "completed": sum(q.finish is not None for q in reqs),
-        "output_tokens": made,
-        "output_tps": made / span,
-        "requests_per_s": len(reqs) / span,
-        "duration_s": span,
-        "ttft_s": percentiles([q.first_token - q.arrival for q in reqs]),
-        "tpot_s": percentiles([(q.finish - q.first_token) / (q.gen - 1) for q in reqs
-                               if q.gen > 1]),
-        "e2e_s": percentiles([q.finish - q.arrival for q in reqs]),
-        "preemptions": run["preemptions"],
-        "migrations": a.get("migrations", 0),
-        "utilization": used / reserved if reserved else None,
-        "mean_batch": run["batch_sum"] / run["steps"] if run["steps"] else None,
-        "peak_batch": run["peak_batch"],
-        "steps": run["steps"],
-        "startup_s": run.get("startup_seconds"),   # hf: its manager's start-up, not in duration
-        "mismatches": None, "near_ties": None, "non_finite": None, "max_logit_diff": None,
-        "settings": setup,
-    }
