@@ -21,14 +21,24 @@ from allocator.pool import LIVE, PinnedBlock, PoolAllocator
 
 class PagedBlock(PinnedBlock):
     """A request's KV in pages: pages[i] holds tokens [i * page_tokens, (i + 1) * page_tokens).
-    `segments` counts the separate contiguous runs of pages (1 = as good as contiguous)."""
+    `segments` counts the separate contiguous runs of pages (1 = as good as contiguous).
 
-    __slots__ = ("pages",)
+    Pages are only ever appended (grow() extends the list), so the runs of consecutive pages are
+    kept as they grow, from the pages added since they were last counted, instead of rescanned:
+    a long request in a fragmented pool holds hundreds of runs, and the simulation's step timer
+    reads them every time a page is added. `timer_line` is room for that timer's own record of
+    the runs it has costed (allocator/serving/steptime.py); the allocator never reads it."""
+
+    __slots__ = ("pages", "_run_first", "_run_pages", "_counted", "timer_line")
     bucket = "paged"
 
     def __init__(self, owner, request_id, pages, prompt_tokens):
         super().__init__(owner, request_id, prompt_tokens, len(pages) * owner.page_tokens)
         self.pages = pages
+        self._run_first: list = []     # first page of each run
+        self._run_pages: list = []     # pages in each run
+        self._counted = 0              # pages[:_counted] are in the runs
+        self.timer_line = None
 
     @property
     def offset(self) -> int:
@@ -40,17 +50,34 @@ class PagedBlock(PinnedBlock):
 
     @property
     def segments(self) -> int:
-        return len(self.runs())
+        return len(self.run_pages())
 
     def runs(self) -> list[tuple[int, int]]:
         """(first page, pages) of each run of consecutive pages, in token order."""
-        out: list = []
-        for p in self.pages:
-            if out and out[-1][0] + out[-1][1] == p:
-                out[-1][1] += 1
-            else:
-                out.append([p, 1])
-        return [(a, n) for a, n in out]
+        lens = self.run_pages()
+        return list(zip(self._run_first, lens))
+
+    def run_pages(self) -> list[int]:
+        """The pages in each run of consecutive pages, in token order (the block's own list:
+        read it, never change it)."""
+        pages, done = self.pages, self._counted
+        if done != len(pages):
+            first, lens = self._run_first, self._run_pages
+            if done > len(pages) or (done and pages[done - 1] != first[-1] + lens[-1] - 1):
+                first.clear()                  # not appended to: count the runs afresh
+                lens.clear()
+                done = 0
+                self.timer_line = None
+            end = first[-1] + lens[-1] if first else None
+            for p in pages[done:] if done else pages:
+                if p == end:
+                    lens[-1] += 1
+                else:
+                    first.append(p)
+                    lens.append(1)
+                end = p + 1
+            self._counted = len(pages)
+        return self._run_pages
 
     def _spans(self, offset, nbytes):
         pb = self._owner.page_bytes
@@ -81,9 +108,14 @@ class FreePages:
         yield from self.freed
 
     def take(self, k: int) -> list:
-        new = range(self.fresh, min(self.n, self.fresh + k))
-        self.fresh += len(new)
-        return [*new, *(self.freed.popleft() for _ in range(k - len(new)))]
+        fresh = self.fresh
+        if fresh + k <= self.n:
+            self.fresh = fresh + k
+            return list(range(fresh, fresh + k))
+        new = range(fresh, self.n)
+        self.fresh = self.n
+        popleft = self.freed.popleft
+        return [*new, *[popleft() for _ in range(k - len(new))]]
 
     def extend(self, pages) -> None:
         self.freed.extend(pages)

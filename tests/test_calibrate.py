@@ -252,6 +252,19 @@ def test_the_overhead_fit_recovers_step_layer_request_and_per_layer_request_cost
                                                 rel=1e-9)
 
 
+def test_the_prefill_fit_recovers_step_layer_and_per_prompt_per_layer_costs():
+    L = np.repeat([2, 6], 3).astype(float)
+    P = np.tile([1, 1, 4], 2).astype(float)
+    k, a, c = 900e-6, 300e-6, 50e-6
+    over = k + L * a + L * P * c
+    got = calfit.fit_prefill_overheads(L, P, over, over + 2e-4)
+    assert got == pytest.approx({"prefill_step_overhead_us": 900.0,
+                                 "prefill_layer_overhead_us": 300.0,
+                                 "prefill_layer_request_overhead_us": 50.0}, rel=1e-9)
+    with pytest.raises(calfit.BadArgument, match="at least 4 points"):
+        calfit.fit_prefill_overheads(L[:3], P[:3], over[:3], over[:3])
+
+
 def test_a_coefficient_the_data_would_make_negative_is_zero_and_the_rest_optimal():
     L = np.repeat([2, 6], 6).astype(float)
     B = np.tile([1, 2, 4, 8, 16, 32], 2).astype(float)

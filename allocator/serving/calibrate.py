@@ -22,14 +22,20 @@ What it measures, in this order (each phase prints one progress line on stderr):
    is the card's peak at that dtype with mfu = 1 (what the engine's matrix products reach);
    every row count's goes into the card's matmul_tflops table, by which the simulator costs
    each step's compute.
-3. overheads: Runner.decode steps of the engine (allocator/serving/torch_engine.py) on the
-   tiny-llama config at 2 and 6 layers, several batch sizes, 16-token contexts in static
-   blocks. From each step's median time the simulator's own memory and compute terms at that
-   shape (with the bandwidths and throughput just measured) are taken away; what remains is
-   fitted as per_step + layers x per_layer + layers x batch x per_layer_request + batch x
-   per_request, each >= 0 (nnls), least squares relative to each step's time. A card has no
-   per-step key, so layer_overhead_us = per_layer + per_step / (--model's layers): the card's
-   overheads are the fitted ones exactly at that depth.
+   On CUDA each timed batch of products is a CUDA graph replay (calibration/measure.py,
+   graphed), as the engine's decode steps are: eagerly a small product's launch outlasts it.
+3. the engine's KV reads (calibration/engine_steps.py, measure_engine_reads): its attention
+   kernel reading --model's KV in runs of a few page sizes and whole contexts, the rate being
+   the bytes a longer context adds over the time it adds: the card's engine_run_gbps, which
+   simulate reads a step's KV at.
+4. the engine's steps (measure_steps): decode steps (Runner.decode, with the engine's decode
+   graphs where it has them) of --model cut to 2 and 6 layers over batch x context, and
+   whole-prompt prefill steps; the simulator's own memory and compute terms at each shape are
+   taken away and the rest fitted (calibration/fit.py, nnls relative to each step): per step,
+   per layer, per request, per request per layer for decodes; per step, per layer, per prompt
+   per layer for prefills (the card's prefill_* keys).
+5. the serving loop (measure_loop): the engine serving a few requests end to end; what its
+   steps take beyond the Runner's is added to the per-step and per-request overheads.
 
 Not measured: link_gbps and link_latency_us (one device has no peer here); the card carries
 placeholders and says so.
@@ -181,9 +187,10 @@ def calibrate(args, progress=None) -> dict:
     peak = mm[dtype][args.prefill_tokens]
     tflops_bf16 = mm["bfloat16"][args.prefill_tokens]
 
+    batch, contexts = engine_steps.read_shape(effort, dev["device"])
     show(f"calibrate {dev['spec']}: the engine's attention reading {args.model}'s KV in runs of "
          f"{', '.join(map(str, effort.read_run_tokens))} tokens and whole contexts, "
-         f"{effort.read_batch} requests at {' and '.join(map(str, effort.read_contexts))} tokens")
+         f"{batch} requests at {' and '.join(map(str, contexts))} tokens")
     load = OtherLoad()
     reads = engine_steps.measure_engine_reads(torch, dev, dtype, p["config"], effort, args.seed)
     other["engine reads"] = load.share()
@@ -432,9 +439,10 @@ def register(subparsers) -> None:
                     "--memory; written beside the card as an `odma-hw probe --json` file, "
                     "CARD.probe.json); matmul "
                     "throughput at the engine's dtype over --model's layer and LM-head shapes, at "
-                    "a prefill row count and at decode row counts; and the per-layer, "
+                    "a prefill row count and at decode row counts; the engine's own KV read "
+                    "rate by run length; and the per-step, per-layer, "
                     "per-request and per-request-per-layer overheads of the engine's decode "
-                    "steps, fitted on the tiny-llama config at "
+                    "and prefill steps and its serving loop, fitted on --model cut to "
                     "2 and 6 layers. link_gbps and link_latency_us are not measured: the card "
                     "carries placeholders and says so. About 2 minutes on a quiet 2-core CPU "
                     "(--quick: about a minute, most of it the LM head at the prefill rows); "
@@ -452,8 +460,9 @@ def register(subparsers) -> None:
                         "calibrated-torch-cpu)")
     p.add_argument("--model", default="qwen2.5-0.5b", metavar="CONFIG",
                    help=f"the model the card is for: its matrix products (every layer's "
-                        f"and the LM head's shapes) are timed, and its layers share the "
-                        f"per-step overhead in layer_overhead_us. A config.json, a directory "
+                        f"and the LM head's shapes) are timed, its KV read by the engine's "
+                        f"attention, and the engine's steps run on it cut to 2 and 6 layers. "
+                        f"A config.json, a directory "
                         f"holding one, or one of {', '.join(shipped_configs())} (default "
                         f"qwen2.5-0.5b)")
     p.add_argument("--dtype", default=None, choices=list(DTYPES),

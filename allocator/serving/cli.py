@@ -21,6 +21,8 @@ from allocator.config import AllocatorConfig
 from allocator.policies import POLICIES
 from allocator.replay import add_policy_arguments
 from allocator.serving.core.checks import PREEMPTION, check_scheduling
+from allocator.serving.core.metrics import (ITL_TOKEN_TIMES, SIMULATE_METRICS, SLO_METRICS,
+                                            apply_goodput, parse_goodput)
 from allocator.serving.core.requests import fit_lengths
 from allocator.serving.engine import (MAX_TIER_BYTES, PAGED_LAYOUTS, SCHEDULES, PrefixSettings,
                                      ServingSetup, check_policy, progress_printer, run_policy)
@@ -76,6 +78,107 @@ def parse_policies(text: str, extra: tuple = ()) -> list[str]:
     return list(dict.fromkeys(names))
 
 
+# both spellings of a dtype, as torch and as vLLM's short names
+DTYPE_SPELLINGS = {"fp32": "float32", "float32": "fp32", "bf16": "bfloat16", "bfloat16": "bf16",
+                   "fp16": "float16", "float16": "fp16", "int8": "int8"}
+
+
+def dtype_argument(names):
+    """The type of a --dtype among `names` (a command's own spellings): either spelling of
+    one (fp32 or float32, bf16 or bfloat16) -> the command's."""
+    names = list(names)
+
+    def parse(text: str) -> str:
+        t = text.strip().lower()
+        for name in (t, DTYPE_SPELLINGS.get(t)):
+            if name in names:
+                return name
+        both = ", ".join(f"{n} ({DTYPE_SPELLINGS[n]})" if DTYPE_SPELLINGS.get(n, n) != n else n
+                         for n in names)
+        raise argparse.ArgumentTypeError(f"expected one of {both}, not {text!r}")
+    return parse
+
+
+def goodput_item(text: str) -> str:
+    """One --goodput KEY:MS item, checked as it is parsed (in one line)."""
+    try:
+        parse_goodput([text])
+    except BadArgument as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("--goodput ")) from None
+    return text
+
+
+def goodput_slo(items) -> dict | None:
+    """--goodput's items -> {ttft|tpot|e2el: seconds} (None when not given)."""
+    return parse_goodput(items) if items else None
+
+
+def cap_lengths(trace, prompt_cap: int | None = None, output_cap: int | None = None):
+    """`trace` with every prompt cut to at most prompt_cap tokens and every output to at most
+    output_cap (None: not cut), as --prompt-cap / --output-cap cut them in simulate and the
+    engine alike; a new trace (the one given, perhaps a cached one, is left as it was)."""
+    if not (prompt_cap or output_cap):
+        return trace
+    prompt = trace.prompt if not prompt_cap else np.minimum(trace.prompt, prompt_cap)
+    gen = trace.generated if not output_cap else np.minimum(trace.generated, output_cap)
+    prefix = (None if trace.prefix_tokens is None
+              else np.minimum(trace.prefix_tokens, prompt))
+    return RequestTrace(prompt, gen, trace.arrival, trace.name, prefix_id=trace.prefix_id,
+                        prefix_tokens=prefix, offer_id=trace.offer_id)
+
+
+def load_text(rate, concurrency, arrivals_given: bool, time_scale: float = 1.0) -> str:
+    """What the load of a run is, in words: all at once, the trace's arrivals, R req/s, a
+    closed loop of C (at R req/s where given)."""
+    if concurrency is not None:
+        return f"closed loop {concurrency}" + (f" at {rate:g} req/s" if rate else "")
+    if rate:
+        return f"{rate:g} req/s"
+    if not arrivals_given:
+        return "all at once"
+    return "trace arrivals" + (f" x{time_scale:g}" if time_scale != 1.0 else "")
+
+
+def summary_table(results: list[dict], labels: list[str]) -> list[str]:
+    """The lines of vllm bench serve's summary of each result (labelled): request, output and
+    total token throughput; mean, median and p99 of TTFT, TPOT and ITL in ms; goodput where
+    --goodput set SLOs."""
+    good = any(r.get("goodput") for r in results)
+    head = ["", "req/s", "out tok/s", "total tok/s"]
+    for m in ("TTFT", "TPOT", "ITL"):
+        head += [f"{m} mean", f"{m} median", f"{m} p99"]
+    if good:
+        head += ["goodput req/s", "good"]
+    rows = [head]
+    for r, label in zip(results, labels):
+        v = r["vllm_summary"]
+
+        def ms(x):
+            return "-" if x is None else f"{x:.1f}"
+        row = [label, f"{v['request_throughput']:.3f}", f"{v['output_throughput']:.1f}",
+               f"{v['total_token_throughput']:.1f}"]
+        for m in ("ttft", "tpot", "itl"):
+            row += [ms(v[f"mean_{m}_ms"]), ms(v[f"median_{m}_ms"]), ms(v[f"p99_{m}_ms"])]
+        if good:
+            g = r.get("goodput")
+            row += (["-", "-"] if not g else
+                    [f"{g['requests_per_s']:.3f}", f"{g['good_requests']}/{r['completed']}"])
+        rows.append(row)
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+    lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in
+                       enumerate(zip(row, widths))).rstrip() for row in rows]
+    lines.insert(1, "-" * len(lines[0]))
+    lines.insert(0, "as vllm bench serve reports it (latencies in ms):")
+    g = next((r["goodput"] for r in results if r.get("goodput")), None)
+    if g:
+        lines.append("goodput = requests/s within every SLO: " + ", ".join(
+            f"{k} <= {v:g} ms" for k, v in g["slo_ms"].items()))
+    if any(r.get("itl_basis") != ITL_TOKEN_TIMES for r in results):
+        lines.append("ITL (simulated): the mean is exact; median and p99 take each request's "
+                     "gaps at its mean gap (no token's time is kept)")
+    return lines
+
+
 
 # options that change only some policies' runs -> those policies: a demand bound is elastic's
 # admission plan; co-batching picks requests by bucket tag, and static puts every request in one
@@ -104,6 +207,25 @@ def clip_note(dropped: int, cut: int, served: int, max_model_len: int) -> str | 
         return None
     return (f"--clip: {dropped} of {served + dropped} requests dropped (prompt alone >= max "
             f"model len {max_model_len}), {cut} generations cut at that length")
+
+
+def add_length_caps(p) -> None:
+    """--prompt-cap and --output-cap: simulate's and the engine's."""
+    p.add_argument("--prompt-cap", type=argtypes.positive_int, default=None, metavar="N",
+                   help="cut every prompt to at most N tokens (before --max-model-len and "
+                        "--clip; an engine run on a CPU takes minutes, not hours)")
+    p.add_argument("--output-cap", type=argtypes.positive_int, default=None, metavar="N",
+                   help="make at most N tokens per request")
+
+
+def add_goodput_argument(p) -> None:
+    """--goodput KEY:MS ...: simulate's and the engine's, as vllm bench serve --goodput."""
+    p.add_argument("--goodput", type=goodput_item, nargs="+", default=None,
+                   metavar="KEY:MS",
+                   help=f"service level objectives in ms, as vllm bench serve --goodput: any "
+                        f"of {', '.join(f'{k} ({v})' for k, v in SLO_METRICS.items())}, e.g. "
+                        f"ttft:500 tpot:50; reports the requests within all of them per second "
+                        f"(goodput)")
 
 
 def add_scheduling_arguments(p) -> None:
@@ -142,7 +264,8 @@ def simulate(trace, policies=("odma", "static", "paged"), rates=(None,), *,
              max_model_len=None, clip=False, time_scale=1.0, seed=0, config=None,
              prefix: PrefixSettings | None = None, progress=False, results: list | None = None,
              failed: list | None = None, check_only=False, engine_profile=None,
-             **setup_args) -> list[dict]:
+             prompt_cap: int | None = None, output_cap: int | None = None,
+             goodput: dict | None = None, **setup_args) -> list[dict]:
     """Simulate every (rate, policy) pair; returns one result dict per pair, rates outermost.
     `trace` is a RequestTrace or a CSV path; `device` a preset card's name or a card file;
     `timing` a source string (default: the card's); `emu` the emulator settings of an emu
@@ -153,7 +276,10 @@ def simulate(trace, policies=("odma", "static", "paged"), rates=(None,), *,
     the checks is recorded there as {"policy", "rate", "error"} and the others go on; else it
     raises. engine_profile: a profile's name or file (allocator/serving/profiles), or an
     EngineProfile, whose terms replace the card's overheads (default: the card's own).
-    check_only: make every check that needs no measurement nor simulation, and return []."""
+    check_only: make every check that needs no measurement nor simulation, and return [].
+    prompt_cap / output_cap: cut every prompt / output to at most that many tokens (cap_lengths,
+    as the engine cuts them). goodput: {ttft|tpot|e2el: seconds} SLOs (goodput_slo) whose
+    requests within all of them each result counts."""
     profile = engine_profile
     if profile is not None and not isinstance(profile, EngineProfile):
         profile = load_engine_profile(profile)
@@ -161,6 +287,10 @@ def simulate(trace, policies=("odma", "static", "paged"), rates=(None,), *,
         trace = load_trace(trace)
     if requests is not None:
         trace = trace.head(argtypes.positive_int(str(requests)))
+    if prefix is not None and (prompt_cap or output_cap):
+        raise BadArgument("--prompt-cap and --output-cap change the lengths a trace's prefixes "
+                          "are counted in: they do not combine with --prefix-cache")
+    trace = cap_lengths(trace, prompt_cap, output_cap)
     if prefix is not None and trace.prefix_id is None:
         raise BadArgument(f"{trace.name} names no prefixes (columns prefix_id, prefix_tokens): "
                           f"a prefix cache has nothing to do; see `odma-hw workload`")
@@ -213,19 +343,51 @@ def simulate(trace, policies=("odma", "static", "paged"), rates=(None,), *,
             r["engine_profile"] = None if profile is None else profile.name
             r["offered_rate"] = (len(trace) / max(float(arr.max()), 1e-12)
                                  if len(trace) > 1 else None)
+            r["load"] = load_text(rate, setup.concurrency, trace.arrival is not None,
+                                  time_scale)
+            apply_goodput(r, goodput)
             out.append(r)
     return out
 
 
+def run_label(r: dict) -> str:
+    """A simulate result's load and policy, as its rows name them."""
+    return f"{load_of(r)} {r['policy']}"
+
+
+def load_of(r: dict) -> str:
+    return r.get("load") or ("trace" if r["rate"] is None else f"{r['rate']:g} req/s")
+
+
+def scheduler_text(max_batched_tokens, max_batch, concurrency=None) -> str:
+    """The scheduler a run used, in words: prefill-first or chunked N, and its batch."""
+    kind = ("prefill-first" if max_batched_tokens is None
+            else f"chunked {max_batched_tokens} tokens/step")
+    return f"{kind}, max batch {max_batch}"
+
+
+def head_line(results: list[dict]) -> str:
+    """The first line of simulate's table: device, model, KV layout of each policy, scheduler."""
+    st = results[0]["settings"]
+    layouts = ", ".join(dict.fromkeys(
+        f"{r['policy']} {r['layout']}" + (f" ({st['page_tokens']}-token pages)"
+                                          if r["policy"] == "paged" else "")
+        for r in results))
+    chunk = st.get("max_num_batched_tokens")
+    return (f"{st['device']} TP{st['tp']} x {st['replicas']} replica(s), {st['model']} "
+            f"{st['dtype']}; KV layout: {layouts}; scheduler: "
+            f"{scheduler_text(chunk, st['max_batch'])}")
+
+
 def format_table(results: list[dict]) -> str:
-    head = ["rate", "policy", "tok/s", "req/s", "TTFT p50", "TTFT p99", "TPOT p50", "E2E p50",
+    head = ["load", "policy", "tok/s", "req/s", "TTFT p50", "TTFT p99", "TPOT p50", "E2E p50",
             "E2E p99", "util", "batch", "peak", "preempt", "migr", "KV share"]
     rows = [head]
     for r in results:
         def ms(x):
             return "-" if x is None else (f"{x * 1e3:.0f}ms" if x < 1 else f"{x:.1f}s")
         rows.append([
-            "trace" if r["rate"] is None else f"{r['rate']:g}", r["policy"] + (
+            load_of(r), r["policy"] + (
                 f"/{r['layout']}" if r["policy"] == "paged" else ""),
             f"{r['output_tps']:.1f}", f"{r['requests_per_s']:.3f}", ms(r["ttft_s"]["p50"]),
             ms(r["ttft_s"]["p99"]), ms(r["tpot_s"]["p50"]), ms(r["e2e_s"]["p50"]),
@@ -236,6 +398,7 @@ def format_table(results: list[dict]) -> str:
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows]
     lines.insert(1, "-" * len(lines[0]))
+    lines.insert(0, head_line(results))
     r = results[0]
     st, t = r["settings"], r["timing"]
     lines.append(
@@ -261,6 +424,9 @@ def format_table(results: list[dict]) -> str:
                 f" {pc['covered_tokens']} of {pc['prompt_tokens']} prompt tokens covered; prefill "
                 f"saved {pc['prefill_saved_s']:.1f} s, restores {pc['restore_s']:.1f} s, offers "
                 f"{pc['offer_s']:.1f} s")
+    lines += [""] + summary_table(results, [
+        f"{load_of(r)} {r['policy']}" + (f"/{r['layout']}" if r["policy"] == "paged" else "")
+        for r in results])
     return "\n".join(lines)
 
 
@@ -336,7 +502,8 @@ def compute(args, results: list | None = None, failed: list | None = None,
         predictor=args.predictor, max_batched_tokens=args.max_num_batched_tokens,
         concurrency=args.concurrency, preemption=args.preemption, swap_space_gb=args.swap_space,
         swap_gbps=args.pcie_gbps, cobatch=args.cobatch, results=results, failed=failed,
-        check_only=check_only, engine_profile=profile)
+        check_only=check_only, engine_profile=profile, prompt_cap=args.prompt_cap,
+        output_cap=args.output_cap, goodput=goodput_slo(args.goodput))
     return {"schema": SCHEMA, "results": results, "failed": failed or []}
 
 
@@ -425,6 +592,7 @@ def _cmd(args) -> int:
 
 USES_NUMBA = True                       # the default timing source is the emulator
 ROW_KEYS = ("policy", "rate")           # what tells apart the rows of one run
+METRICS = SIMULATE_METRICS              # the columns a sweep's --metric takes
 
 
 def sweep_checks() -> list[ValueCheck]:
@@ -437,6 +605,7 @@ def sweep_checks() -> list[ValueCheck]:
         trace = load_trace_once(a.trace)
         if a.requests is not None:
             trace = trace.head(a.requests)
+        trace = cap_lengths(trace, a.prompt_cap, a.output_cap)
         fit_lengths(trace, a.max_model_len, model_spec(a.model), a.clip)
 
     def scheduling(a):
@@ -453,8 +622,9 @@ def sweep_checks() -> list[ValueCheck]:
                                                     a.cobatch)),
             ValueCheck("trace", ("trace",), given),
             trace_check(),
-            ValueCheck("max-model-len", ("trace", "requests", "max_model_len", "model", "clip"),
-                       fits),
+            ValueCheck("max-model-len", ("trace", "requests", "max_model_len", "model", "clip",
+                                         "prompt_cap", "output_cap"), fits),
+            ValueCheck("goodput", ("goodput",), lambda a: goodput_slo(a.goodput)),
             ValueCheck("device", ("device",), lambda a: accelerator(a.device)),
             ValueCheck("engine-profile", ("engine_profile",),
                        lambda a: a.engine_profile is None
@@ -494,9 +664,11 @@ def register(subparsers) -> None:
                    help=f"a preset ({', '.join(list(MODELS) + list(MODEL_ALIASES))}), a Hugging "
                         f"Face config.json or a directory holding one (default "
                         f"deepseek-r1-distill-qwen-7b)")
-    p.add_argument("--dtype", default="bf16", choices=list(DTYPE_BYTES),
-                   help="weight type; KV stays bf16, but fp32 serves fp32 KV (as odma-hw's "
-                        "engine on CPU); int8 and fp32 need the card's tops_int8 / tflops_fp32")
+    p.add_argument("--dtype", default="bf16", type=dtype_argument(DTYPE_BYTES),
+                   metavar="{bf16,bfloat16,int8,fp32,float32}",
+                   help="weight type (default bf16; the engine's default is float32, its CPU "
+                        "runs); KV stays bf16, but fp32 serves fp32 KV (as odma-hw's engine on "
+                        "CPU); int8 and fp32 need the card's tops_int8 / tflops_fp32")
     p.add_argument("--device", default="mlu370-x4", metavar="CARD",
                    help=f"a preset card ({', '.join(card_names())}; default mlu370-x4, "
                         f"a100-80gb is the HBM contrast) or a card file: TOML, or JSON if named "
@@ -537,6 +709,7 @@ def register(subparsers) -> None:
     p.add_argument("--clip", action="store_true",
                    help="drop prompts longer than --max-model-len and cut generations there, "
                         "instead of refusing the trace")
+    add_length_caps(p)
     p.add_argument("--max-batch", type=argtypes.positive_int, default=256,
                    help="running requests at most (vLLM max_num_seqs, default 256)")
     add_scheduling_arguments(p)
@@ -545,8 +718,10 @@ def register(subparsers) -> None:
                         f"else {DEFAULT_MFU})")
     p.add_argument("--memory-utilization", type=argtypes.positive_float, default=0.9,
                    help="share of card memory for weights + KV (default 0.9)")
-    p.add_argument("--kv-pool-gb", type=argtypes.positive_float, default=None,
-                   help="KV pool per card in GB (default: what the weights leave)")
+    p.add_argument("--kv-pool-gb", type=argtypes.positive_float, default=None, metavar="GB",
+                   help="KV pool per card in GB of 1e9 B (default: what the weights leave of "
+                        "--memory-utilization of the card; the engine's default is 0.064, "
+                        "as a CPU has no card capacity)")
     c = p.add_argument_group("prefix cache (traces with prefix_id / prefix_tokens columns)")
     c.add_argument("--prefix-cache", action="store_true",
                    help="keep prefixes' KV across requests in device, host and disk tiers")
@@ -568,6 +743,7 @@ def register(subparsers) -> None:
                    help="disk tier read bandwidth (default 3: an NVMe SSD)")
     c.add_argument("--disk-write-gbps", type=argtypes.positive_float, default=2.0,
                    help="disk tier write bandwidth (default 2)")
+    add_goodput_argument(p)
     p.add_argument("--json", action="store_true",
                    help=f"print one JSON object ({SCHEMA}; with --list {LIST_SCHEMA})")
     p.add_argument("--series", action="store_true", help="with --json: include time series")

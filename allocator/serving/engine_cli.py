@@ -12,13 +12,16 @@ import numpy as np
 
 from odma_hw.errors import BadArgument, DeviceUnavailable, OdmaError, RunFailed, one_line
 
-from allocator.serving.cli import clip_note
+from allocator.serving.cli import (cap_lengths, clip_note, goodput_slo, load_text, scheduler_text,
+                                   summary_table)
+from allocator.serving.core.metrics import ENGINE_METRICS
 from allocator.serving.models import (DTYPES, check_attention_window, check_memory,
                                       check_weights, config_path, kv_bytes_per_token, load_config,
                                       shipped_configs)
 
 SCHEMA = "odma-hw.engine/1"
 ROW_KEYS = ("policy",)                  # what tells apart the rows of one run
+METRICS = ENGINE_METRICS                # the columns a sweep's --metric takes
 
 
 def prepare(args):
@@ -55,10 +58,8 @@ def prepare(args):
     trace = load_trace(args.trace)
     if args.requests is not None:
         trace = trace.head(args.requests)
-    if args.prompt_cap:
-        trace.prompt = np.minimum(trace.prompt, args.prompt_cap)
-    if args.output_cap:
-        trace.generated = np.minimum(trace.generated, args.output_cap)
+    trace = cap_lengths(trace, args.prompt_cap, args.output_cap)
+    slo = goodput_slo(args.goodput)
     limit = types.SimpleNamespace(name=args.model, max_context=config.max_position_embeddings)
     prompt, gen, keep, cap, dropped, truncated = fit_lengths(trace, args.max_model_len, limit,
                                                              args.clip)
@@ -80,10 +81,10 @@ def prepare(args):
     backend = attention_backend(device, None if args.attention == "auto" else args.attention)
     use_graphs(args.cuda_graphs, device, backend)
     bpt = kv_bytes_per_token(config, args.dtype)
-    pool = int(args.kv_pool_mb * 1e6)
+    pool, pool_option = kv_pool(args)
     pooled = [policy for policy in policies if policy != "hf"]    # hf sizes its own cache
     if pooled and pool < cap * bpt:
-        raise BadArgument(f"--kv-pool-mb {args.kv_pool_mb:g} holds {pool // bpt} tokens of KV, "
+        raise BadArgument(f"{pool_option} holds {pool // bpt} tokens of KV, "
                           f"less than one {cap}-token request ({bpt} B per token)")
     knee = args.extent_knee_tokens
     if knee is None and args.card and {"extent", "elastic"} & set(policies):
@@ -100,11 +101,28 @@ def prepare(args):
         try:
             check_pool(policy, pool, bpt, cap, alloc_config, args.page_tokens)
         except BadArgument as exc:
-            raise BadArgument(f"--kv-pool-mb {args.kv_pool_mb:g} for {policy}: {exc}") from None
+            raise BadArgument(f"{pool_option} for {policy}: {exc}") from None
     return dict(policies=policies, config=config, weights=folder if weights else None,
                 prompt=prompt, gen=gen, arrivals=arrivals, pool=pool, max_model_len=cap,
                 device=device, dropped=dropped, truncated=truncated, trace=trace.name, bpt=bpt,
-                knee=knee, attention=backend, alloc_config=alloc_config)
+                knee=knee, attention=backend, alloc_config=alloc_config, slo=slo,
+                load=load_text(args.rate, args.concurrency, trace.arrival is not None))
+
+
+DEFAULT_KV_POOL_GB = 0.064      # 64 MB: a CPU has no card capacity to take a share of
+
+
+def kv_pool(args) -> tuple[int, str]:
+    """(bytes, the option as given) of the KV pool: --kv-pool-gb, or its alias --kv-pool-mb,
+    else DEFAULT_KV_POOL_GB; both given is refused."""
+    gb, mb = getattr(args, "kv_pool_gb", None), getattr(args, "kv_pool_mb", None)
+    if gb is not None and mb is not None:
+        raise BadArgument("--kv-pool-mb is an alias of --kv-pool-gb (in MB): give one of them")
+    if mb is not None:
+        return int(round(mb * 1e6)), f"--kv-pool-mb {mb:g}"
+    if gb is None:
+        gb = DEFAULT_KV_POOL_GB
+    return int(round(gb * 1e9)), f"--kv-pool-gb {gb:g}"
 
 
 def card_knee(card: str, run_unit_bytes: int, max_tokens: int) -> int:
@@ -135,7 +153,8 @@ def compute(args, results: list | None = None, failed: list | None = None) -> di
     prompts = prompt_ids(len(p["prompt"]), p["prompt"], p["config"].vocab_size, args.seed)
     settings = {"model": args.model, "dtype": args.dtype, "device": f"torch:{p['device']}",
                 "trace": p["trace"], "max_model_len": p["max_model_len"],
-                "max_batch": args.max_batch, "kv_pool_mb": args.kv_pool_mb,
+                "max_batch": args.max_batch, "kv_pool_mb": p["pool"] / 1e6,
+                "kv_pool_gb": p["pool"] / 1e9, "load": p["load"],
                 "kv_bytes_per_token": p["bpt"], "page_tokens": args.page_tokens,
                 "predictor": args.predictor, "seed": args.seed, "rate": args.rate,
                 "max_num_batched_tokens": args.max_num_batched_tokens,
@@ -186,7 +205,7 @@ def compute(args, results: list | None = None, failed: list | None = None) -> di
                 raise
             failed.append({"policy": policy, "error": one_line(exc)})
             continue
-        r = summarise(policy, run, settings)
+        r = summarise(policy, run, settings, p["slo"])
         r["attention"] = run.get("attention")       # hf: None (transformers' own)
         r["cuda_graphs"] = run.get("cuda_graphs")   # hf: (varlen, decode) as it settled them
         # the KV the run kept its cache in: hf sizes its own, whatever --kv-pool-mb says
@@ -213,11 +232,11 @@ def progress(policy: str, stream=None):
 def format_table(results: list[dict]) -> str:
     def ms(x):
         return "-" if x is None else (f"{x * 1e3:.0f}ms" if x < 1 else f"{x:.2f}s")
-    head = ["policy", "tok/s", "req/s", "TTFT p50", "TPOT p50", "E2E p50", "util", "batch",
+    head = ["load", "policy", "tok/s", "req/s", "TTFT p50", "TPOT p50", "E2E p50", "util", "batch",
             "preempt", "migr", "mismatches"]
     rows = [head]
     for r in results:
-        rows.append([r["policy"], f"{r['output_tps']:.1f}", f"{r['requests_per_s']:.2f}",
+        rows.append([r["settings"].get("load", "-"), r["policy"], f"{r['output_tps']:.1f}", f"{r['requests_per_s']:.2f}",
                      ms(r["ttft_s"]["p50"]), ms(r["tpot_s"]["p50"]), ms(r["e2e_s"]["p50"]),
                      "-" if r["utilization"] is None else f"{r['utilization']:.3f}",
                      "-" if r["mean_batch"] is None else f"{r['mean_batch']:.1f}",
@@ -229,6 +248,7 @@ def format_table(results: list[dict]) -> str:
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows]
     lines.insert(1, "-" * len(lines[0]))
+    lines.insert(0, head_line(results))
     s = results[0]["settings"]
     lines.append(f"{s['trace']}: {results[0]['requests']} requests; {s['model']} {s['dtype']} "
                  f"({s['weights']} weights) on {s['device']}; KV pool {s['kv_pool_mb']:g} MB; "
@@ -241,7 +261,28 @@ def format_table(results: list[dict]) -> str:
         if r["policy"] == "hf":
             lines.append(f"hf: transformers' own KV cache of {r['kv_cache_mb']:.3g} MB, sized "
                          f"for the {s['max_batch']} longest requests (not the KV pool)")
+    lines += [""] + summary_table(results, [r["policy"] for r in results])
     return "\n".join(lines)
+
+
+def head_line(results: list) -> str:
+    """The first line of the engine's table: device, model, KV layout of each policy,
+    scheduler."""
+    from allocator.policies import policy as policy_spec
+
+    s = results[0]["settings"]
+    layouts = []
+    for r in results:
+        p = r["policy"]
+        if p == "hf":
+            layouts.append("hf transformers' own cache")
+        else:
+            layout = policy_spec(p).layout
+            layouts.append((p if p == layout else f"{p} {layout}")
+                           + (f" ({s['page_tokens']}-token pages)" if layout == "paged" else ""))
+    return (f"{s['device']}, {s['model']} {s['dtype']} ({s['weights']} weights); KV layout: "
+            f"{', '.join(dict.fromkeys(layouts))}; scheduler: "
+            f"{scheduler_text(s['max_num_batched_tokens'], s['max_batch'])}")
 
 
 def _show(args, results: list, failed: list) -> None:
@@ -277,7 +318,8 @@ def _cmd(args) -> int:
 def register(subparsers) -> None:
     from odma_hw import argtypes
 
-    from allocator.serving.cli import add_scheduling_arguments
+    from allocator.serving.cli import (add_goodput_argument, add_length_caps,
+                                       add_scheduling_arguments, dtype_argument)
 
     p = subparsers.add_parser(
         "engine", help="serve a trace with a real transformer whose KV lives in allocator blocks",
@@ -296,7 +338,10 @@ def register(subparsers) -> None:
     p.add_argument("--model", default="tiny-qwen2", metavar="CONFIG",
                    help=f"a config.json, a directory with config.json (and safetensors weights), "
                         f"or one of {', '.join(shipped_configs())} (default tiny-qwen2)")
-    p.add_argument("--dtype", default="float32", choices=list(DTYPES))
+    p.add_argument("--dtype", default="float32", type=dtype_argument(DTYPES),
+                   metavar="{float32,fp32,bfloat16,bf16}",
+                   help="weight and KV type (default float32, what a CPU runs; simulate's "
+                        "default is bf16)")
     p.add_argument("--device", default="torch:cpu", metavar="torch:DEV",
                    help="the torch device (default torch:cpu)")
     p.add_argument("--policy", default="odma,static,paged", metavar="P[,P...]",
@@ -312,20 +357,22 @@ def register(subparsers) -> None:
                    metavar="N", help="extent and elastic's knee in tokens (overrides --card)")
     p.add_argument("--predictor", default="online", help="ODMA's length predictor")
     p.add_argument("--max-batch", type=argtypes.positive_int, default=32,
-                   help="running requests at most (default 32)")
+                   help="running requests at most (vLLM max_num_seqs; default 32, a CPU's "
+                        "batch: simulate's default is vLLM's 256)")
     add_scheduling_arguments(p)
-    p.add_argument("--kv-pool-mb", type=argtypes.positive_float, default=64.0,
-                   help="KV pool in MB (default 64; small forces preemption)")
+    p.add_argument("--kv-pool-gb", type=argtypes.positive_float, default=None, metavar="GB",
+                   help=f"KV pool in GB of 1e9 B (default {DEFAULT_KV_POOL_GB:g}: a CPU has no "
+                        f"card capacity to take a share of, as simulate's default does; small "
+                        f"forces preemption)")
+    p.add_argument("--kv-pool-mb", type=argtypes.positive_float, default=None, metavar="MB",
+                   help="alias of --kv-pool-gb in MB (1e6 B), kept for older command lines")
     p.add_argument("--page-tokens", type=argtypes.positive_int, default=16,
                    help="tokens per page of the paged policy (default 16)")
     p.add_argument("--max-model-len", type=argtypes.positive_int, default=None,
                    help="longest request (default: the trace's longest)")
     p.add_argument("--clip", action="store_true",
                    help="drop prompts longer than --max-model-len and cut generations there")
-    p.add_argument("--prompt-cap", type=argtypes.positive_int, default=None, metavar="N",
-                   help="cut every prompt to at most N tokens (a CPU run takes minutes, not hours)")
-    p.add_argument("--output-cap", type=argtypes.positive_int, default=None, metavar="N",
-                   help="make at most N tokens per request")
+    add_length_caps(p)
     p.add_argument("--seed", type=argtypes.seed, default=0,
                    help="seeds the weights, the prompts and the arrivals (default 0)")
     p.add_argument("--check", action="store_true",
@@ -338,5 +385,6 @@ def register(subparsers) -> None:
                    help="replay decode steps from CUDA graphs captured per padded batch size "
                         "(auto: on a CUDA device with the triton kernels; off to compare); for "
                         "--policy hf, transformers' own CUDA graphs (auto: its choice)")
+    add_goodput_argument(p)
     p.add_argument("--json", action="store_true", help=f"print one JSON object ({SCHEMA})")
     p.set_defaults(func=_cmd)

@@ -212,6 +212,7 @@ def _serve(manager, prompts, reqs, progress, concurrency=None) -> dict:
     `concurrency` are in flight: it arrives then) and collect the outputs."""
     n = len(reqs)
     tokens: list = [None] * n
+    times: list = [[] for _ in range(n)]      # each token's seconds from the start
     order = sorted(range(n), key=lambda i: (reqs[i].arrival, i))
     next_arrival = done = 0
     start = time.perf_counter()
@@ -243,8 +244,9 @@ def _serve(manager, prompts, reqs, progress, concurrency=None) -> dict:
             r.made = len(tokens[i])
             r.first_token = out.timestamps[0] - start
             r.finish = out.timestamps[-1] - start
+            times[i] = [t - start for t in out.timestamps]
             done += 1
         if progress and time.perf_counter() - last_progress > PROGRESS_EVERY:
             last_progress = time.perf_counter()
             progress(done, n, now())
-    return {"requests": reqs, "tokens": tokens, "seconds": now()}
+    return {"requests": reqs, "tokens": tokens, "token_times": times, "seconds": now()}

@@ -307,11 +307,12 @@ def _check(q, pool, kv_heads, head_dim, what):
 
 # ============================================================================ store
 def store_kv(pool, k, v, slot, slot_cap, layer: int, kv_heads: int, head_dim: int, *,
-             backend: str | None = None, align: int = 1) -> None:
+             backend: str | None = None, align: int = 1, cache: dict | None = None) -> None:
     """Write k, v [N, kv_heads, head_dim] (the step's new tokens) into their slots for `layer`:
     token n's (layer, c, h) row goes to slot[n] + ((layer * 2 + c) * kv_heads + h) *
     slot_cap[n] * head_dim; slot[n] < 0 is skipped. Device ops only on CUDA (no host sync);
-    on the torch path one scatter. `align`: as RunTable.align, for the slots."""
+    on the torch path one scatter, its index built once a step where the caller passes the
+    same `cache` dict for every layer of the step. `align`: as RunTable.align, for the slots."""
     N = k.shape[0]
     if k.shape != (N, kv_heads, head_dim) or v.shape != k.shape:
         raise BadArgument(f"store_kv: k {tuple(k.shape)}, v {tuple(v.shape)}, expected "
@@ -320,14 +321,39 @@ def store_kv(pool, k, v, slot, slot_cap, layer: int, kv_heads: int, head_dim: in
         return
     if _pick(backend, pool.device) == "triton":
         return store_kv_triton(pool, k, v, slot, slot_cap, layer, kv_heads, head_dim, align)
-    keep = slot >= 0
-    s, c = slot[keep], slot_cap[keep].long()
-    vals = torch.stack((k[keep], v[keep]), 1).to(pool.dtype)                # [n, 2, KVH, D]
-    ch = layer * 2 * kv_heads + torch.arange(2 * kv_heads, device=pool.device).view(
-        1, 2, kv_heads, 1)
-    idx = (s.view(-1, 1, 1, 1) + ch * (c * head_dim).view(-1, 1, 1, 1)
-           + torch.arange(head_dim, device=pool.device))
-    pool[idx] = vals
+    index = cache.get("store") if cache is not None else None
+    if index is None:
+        index = StoreIndex.build(slot, slot_cap, kv_heads, head_dim)
+        if cache is not None:
+            cache["store"] = index
+    index.put(pool, k, v, layer)
+
+
+@dataclasses.dataclass
+class StoreIndex:
+    """The torch path's scatter index of a step's new tokens: the element offsets of each kept
+    token's (layer 0, c, h, d) and the stride to the next layer."""
+
+    keep: torch.Tensor | None     # bool [N], None when every token is stored
+    idx0: torch.Tensor            # int64 [n, 2, KVH, D]
+    stride: torch.Tensor          # int64 [n, 1, 1, 1]: elements between layers
+
+    @classmethod
+    def build(cls, slot, slot_cap, kv_heads: int, head_dim: int) -> "StoreIndex":
+        keep = slot >= 0
+        every = bool(keep.all())
+        s, c = (slot, slot_cap.long()) if every else (slot[keep], slot_cap[keep].long())
+        dev = slot.device
+        ch = torch.arange(2 * kv_heads, device=dev).view(1, 2, kv_heads, 1)
+        rows = (c * head_dim).view(-1, 1, 1, 1)
+        idx0 = s.view(-1, 1, 1, 1) + ch * rows + torch.arange(head_dim, device=dev)
+        return cls(None if every else keep, idx0, 2 * kv_heads * rows)
+
+    def put(self, pool, k, v, layer: int) -> None:
+        if self.keep is not None:
+            k, v = k[self.keep], v[self.keep]
+        idx = self.idx0 + self.stride * layer if layer else self.idx0
+        pool[idx] = torch.stack((k, v), 1).to(pool.dtype)              # [n, 2, KVH, D]
 
 
 # ============================================================================ torch reference

@@ -81,6 +81,7 @@ class Runner:
         x = self.inner.embed_tokens(ids)[None]
         cos, sin = self.inner.rotary_emb(x, pos[None])
         n, D = ids.shape[0], self.head_dim
+        step = {}                          # what every layer's store of this step shares
         for layer, block in enumerate(self.inner.layers):
             attn = block.self_attn
             h = block.input_layernorm(x)
@@ -90,7 +91,7 @@ class Runner:
             q, k = self.rope(q, k, cos, sin)
             q, k = q[0].transpose(0, 1), k[0].transpose(0, 1)
             run_attention.store_kv(self.kv.flat, k, v, slot, slot_cap, layer, self.kv_heads, D,
-                                   backend=self.backend, align=self.kv.align)
+                                   backend=self.backend, align=self.kv.align, cache=step)
             o = attend(layer, q, k, v)
             x = x + attn.o_proj(o.reshape(1, n, -1))
             x = x + block.mlp(block.post_attention_layernorm(x))
@@ -145,6 +146,8 @@ class Runner:
         decode = self._decode_attend(runs_dec, n_dec)
 
         def attend(layer, q, k, v):
+            if n_dec == len(batch):          # a decode-only step: no rows to put together
+                return decode(layer, q, k, v)
             o = torch.empty_like(q)
             if n_dec:
                 o[:n_dec] = decode(layer, q, k, v)
@@ -285,7 +288,6 @@ def make_graphs(runner: Runner, max_batch: int, max_runs: int, warn=None):
             graphs.capture()
         except Exception as exc:     # (CUDA, out of memory, a kernel that fails to compile)
             why = one_line(exc, 200) or type(exc).__name__
-            del graphs
             continue
         finally:
             gc.enable()

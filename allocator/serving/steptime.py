@@ -99,7 +99,8 @@ class StepTimer:
             "contiguous" if layout == "extent" else layout)
         m, d = setup.model, setup.device
         # per step, independent of the batch: weights and per-layer overheads
-        self.w_seconds = setup.weight_bytes / (self.seq_gbps * d.weight_read_efficiency * 1e9)
+        self.weight_bytes = setup.weight_bytes       # a property that sums the model's shapes
+        self.w_seconds = self.weight_bytes / (self.seq_gbps * d.weight_read_efficiency * 1e9)
         self.layer_seconds = (m.layers * d.layer_overhead_us + d.step_overhead_us) * 1e-6
         # all-reduce: 2 per layer of batch x hidden x 2 B, ring over TP cards
         tp = setup.tp
@@ -135,6 +136,7 @@ class StepTimer:
         # GB/s of the KV's runs by their size, as the engine reads them where the card says
         self.kv_gbps = (rate_table(d.engine_run_gbps) if d.engine_run_gbps
                         else setup.timing.run_gbps)
+        self._runs_memo: dict = {}         # a paged run's read (seconds, B/s) by its tokens
         self.sums = [0.0, 0.0, 0.0, 0.0]   # over running requests: a, slope, ab, sb
         self.floor_margin = math.inf       # min over steps of step seconds / (bytes / peak)
         self.compute_margin = math.inf     # min over steps of step seconds / (FLOPs / peak)
@@ -158,14 +160,16 @@ class StepTimer:
         else:
             pt = self.s.page_tokens
             if self.merge:
-                runs = blk.runs()
-                pages = np.array([k for _, k in runs], dtype=np.float64)
-                full = pages * pt
-                full[-1] -= len(blk.pages) * pt - ctx      # the last page is partly filled
-                run_bytes = np.maximum(full, 1) * unit
-                bws = gbps(run_bytes) * 1e9
-                secs = float(n * (run_bytes / bws).sum())
-                slope = per_token / float(bws[-1])
+                if getattr(blk, "run_pages", None) is not None:
+                    secs, slope = self._merged_line(blk, ctx, pt, n)
+                else:                              # any block that gives runs()
+                    runs = blk.runs()
+                    pages = np.array([k for _, k in runs], dtype=np.float64)
+                    full = pages * pt
+                    full[-1] -= len(blk.pages) * pt - ctx  # the last page is partly filled
+                    run_bytes, bws = self._run_reads(full)
+                    secs = float(n * (run_bytes / bws).sum())
+                    slope = per_token / float(bws[-1])
             else:
                 bw = float(gbps(pt * unit)) * 1e9
                 secs = n * ctx * unit / bw
@@ -174,6 +178,57 @@ class StepTimer:
         r.a = secs - step * slope
         r.sb = per_token
         r.ab = ctx * per_token - step * per_token
+
+    def _run_reads(self, full):
+        """(bytes, B/s) of the reads of runs of `full` tokens each (an array of floats; at least
+        one token's worth a run)."""
+        run_bytes = np.maximum(full, 1) * self.run_unit_bytes
+        return run_bytes, self.kv_gbps(run_bytes) * 1e9
+
+    def _run_seconds(self, memo: dict, full: int) -> tuple[float, float]:
+        """(seconds, B/s) of the read of one run of `full` tokens, remembered in memo by its
+        tokens: each run is costed as an element of the array all of a block's runs were once
+        costed in (the rates are a function of the size alone), so the sums below add the same
+        numbers."""
+        got = memo.get(full)
+        if got is None:
+            run_bytes, bws = self._run_reads(np.array([full], dtype=np.float64))
+            got = memo[full] = (float((run_bytes / bws)[0]), float(bws[0]))
+        return got
+
+    def _merged_line(self, blk, ctx: int, pt: int, n: int) -> tuple[float, float]:
+        """(seconds now, seconds per step) of the KV read of a paged block whose consecutive
+        pages merge into one run, ctx tokens in it (the last page partly filled). The block
+        only gains pages, so every run but its last is final: their read times are kept on the
+        block (timer_line: this timer, the runs costed, their seconds) and only the runs added
+        since, and the last, are costed anew; the seconds are summed over the whole array each
+        time, as numpy sums one array of every run's seconds (pairwise), so the figure is the
+        one costing every run afresh gives, to the bit."""
+        lens = blk.run_pages()
+        m = len(lens)
+        line = blk.timer_line
+        if line is None or line[0] is not self:
+            line = blk.timer_line = [self, 0, np.empty(max(16, 2 * m))]
+        done, buf = line[1], line[2]
+        if m > len(buf):
+            grown = np.empty(2 * m)
+            grown[:done] = buf[:done]
+            buf = line[2] = grown
+        if done < m - 1:                           # runs that a later run has closed
+            if m - 1 - done <= 4:
+                memo = self._runs_memo
+                for j in range(done, m - 1):
+                    buf[j] = self._run_seconds(memo, lens[j] * pt)[0]
+            else:
+                run_bytes, bws = self._run_reads(
+                    np.array(lens[done:m - 1], dtype=np.float64) * pt)
+                buf[done:m - 1] = run_bytes / bws
+            line[1] = m - 1
+        # the last run: its pages less what the last page lacks
+        secs, bw = self._run_seconds(self._runs_memo,
+                                     lens[-1] * pt - (len(blk.pages) * pt - ctx))
+        buf[m - 1] = secs
+        return float(n * buf[:m].sum()), n * self.run_unit_bytes / bw
 
     def _extent_line(self, blk, ctx: int, unit: int, n: int) -> tuple[float, float]:
         """(seconds now, seconds per step) of the KV read of an extent block holding ctx tokens:
@@ -231,7 +286,7 @@ class StepTimer:
         s = self.s
         flops = sum(s.model.prefill_flops(h - c, cached=c) for h, c in parts) / s.tp
         computed = sum(h - c for h, c in parts)
-        nbytes = s.weight_bytes + sum(h for h, _ in parts) * self.bpt
+        nbytes = self.weight_bytes + sum(h for h, _ in parts) * self.bpt
         # an engine that runs attention request by request pays that per prompt too
         secs = (max(flops / (self.card_flops * self.efficiency(computed)),
                     nbytes / (self.seq_gbps * 1e9))
@@ -301,7 +356,6 @@ class StepTimer:
         """Run decode steps from `step` with nb requests: at most k (the next event), and no
         more than reach dt seconds when dt is given (a request arrives then). Returns (steps,
         seconds) and adds the components to tot."""
-        s = self.s
         ab, sb = self.sums[2], self.sums[3]
         # a step is max(memory, compute) + overheads
         lines = over, m0, m1, f0, f1 = self._decode_lines(nb)
@@ -320,7 +374,7 @@ class StepTimer:
         for at in (step, step + k - 1):           # both ends: time, bytes, FLOPs are linear
             t_step = max(m0 + m1 * at, f0 + f1 * at) + over
             self.floor_margin = min(self.floor_margin,
-                                    t_step * self.peak_bw / (s.weight_bytes + ab + sb * at))
+                                    t_step * self.peak_bw / (self.weight_bytes + ab + sb * at))
             self.compute_margin = min(self.compute_margin, t_step / ((f0 + f1 * at) * eff))
         self._count_decode(tot, nb, k, tri, secs, lines)
         return k, secs
@@ -347,7 +401,7 @@ class StepTimer:
                  + self.prefill_seconds - self.layer_seconds)   # the step runs as a prefill
         secs = (max(m_dec + context * self.bpt / (self.seq_gbps * 1e9), f_all) + over
                 + extra)
-        nbytes = s.weight_bytes + ab + sb * step + context * self.bpt
+        nbytes = self.weight_bytes + ab + sb * step + context * self.bpt
         self.floor_margin = min(self.floor_margin, secs * self.peak_bw / nbytes)
         self.compute_margin = min(self.compute_margin, secs / (f_all * eff))
         tot["prefill_tokens"] += computed

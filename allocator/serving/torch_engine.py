@@ -203,6 +203,7 @@ class RunnerExecutor(Executor):
         n = len(prompts)
         self.made = [[] for _ in range(n)]      # tokens made, kept across preemptions
         self.top = [[] for _ in range(n)]       # (values, indices) of the top logits per token
+        self.times = [[] for _ in range(n)]     # seconds at which each token was read back
         self.host: dict = {}                    # swapped requests' KV
         self.steps = self.batch_sum = self.peak_batch = 0
         self.start = self.last_progress = time.perf_counter()
@@ -215,17 +216,18 @@ class RunnerExecutor(Executor):
 
     def pick(self, logits):
         """The token each row of a step's `logits` chooses, read back once for the whole step
-        (and, for the check, the rows' top logits)."""
+        (and, for the check, the rows' top logits), and when it was read back."""
         tokens = logits.argmax(-1).tolist()
         if not self.keep_logits:
-            return tokens, None
+            return tokens, None, self.now()
         v, ix = torch.topk(logits.float(), min(LOGIT_CHECK_K, logits.shape[-1]))
-        return tokens, (v.cpu(), ix.cpu())
+        return tokens, (v.cpu(), ix.cpu()), self.now()
 
     def emit(self, i, picked, j) -> None:
         """Request i takes the token of row j of what pick() read."""
-        tokens, top = picked
+        tokens, top, t = picked
         self.made[i].append(tokens[j])
+        self.times[i].append(t)
         if top is not None:
             self.top[i].append((top[0][j], top[1][j]))
 
@@ -285,7 +287,7 @@ class RunnerExecutor(Executor):
     def result(self) -> dict:
         sched = self.sched
         alloc, tot = sched.alloc, sched.tot
-        return {"requests": sched.reqs, "tokens": self.made,
+        return {"requests": sched.reqs, "tokens": self.made, "token_times": self.times,
                 "top_logits": self.top if self.keep_logits else None,
                 "seconds": self.now(), "steps": self.steps, "batch_sum": self.batch_sum,
                 "peak_batch": self.peak_batch, "preemptions": int(tot["preemptions"]),

@@ -100,6 +100,8 @@ from odma_hw.sweep.log import (
 from odma_hw.sweep.report import (
     DEFAULT_METRICS,
     PlotView,
+    check_metric,
+    check_metric_column,
     check_plot,
     plot,
     plot_lines,
@@ -274,6 +276,8 @@ def run_sweep(grid_path: str, *, out: str | None = None, workers: int | None = N
         if given and not plot_path:
             raise BadArgument(f"{option} shapes the plot: give --plot PNG too")
     grid = load_grid(grid_path)
+    if metric:  # before any cell: a name the command does not make is refused, not a '-' table
+        check_metric(grid, metric)
     view = None
     if plot_path:  # before the cells are made: refusing a grid costs nothing however large
         view = check_plot(grid, plot_path, plot_x, plot_series, plot_fix)
@@ -281,6 +285,7 @@ def run_sweep(grid_path: str, *, out: str | None = None, workers: int | None = N
     cells = the_plan.cells
     out = out or default_out(grid_path)
     log_path = os.path.join(out, RESULTS)
+    given_metric = metric
     metric = metric or DEFAULT_METRICS.get(grid.command, "wall_seconds")
     if os.path.exists(out) and not os.path.isdir(out):
         raise BadArgument(f"--out {out!r} is a file, not a folder")
@@ -316,6 +321,9 @@ def run_sweep(grid_path: str, *, out: str | None = None, workers: int | None = N
         print(f"sweep interrupted: {outcome.ran} cells finished in this run are in "
               f"{files[0]}; --resume runs the other {summary['missing']}", file=stream)
         raise KeyboardInterrupt
+    if given_metric and not plot_path:  # a command that names no METRICS: its results say
+        # (--plot says it itself, after the table, as a failure after the work)
+        check_metric_column(grid, rows, metric)
     if table is not None:
         print_table(grid, rows, metric, table, files[0])
     if plot_path:

@@ -45,6 +45,8 @@ AXIS_UNITS = {"granularity": "B", "interleave": "B", "footprint": "B", "chunk-by
 WORD_UNITS = {"tps": "tok/s", "gbps": "GB/s", "s": "s", "seconds": "s", "ns": "ns",
               "gb": "GB", "bytes": "B"}
 STATISTICS = {"mean", "min", "max", "p50", "p90", "p95", "p99"}
+# bookkeeping columns that are no metric (the --metric list leaves them out)
+NOT_METRICS = {"cell", "row", "hash", "status", "error", "worker", "command_line"}
 # a numeric axis whose values span this factor or more is drawn on a log scale (page sizes 16
 # to 128; granules 32 to 256)
 LOG_SPAN = 8
@@ -122,6 +124,61 @@ def _column(rows: list[dict], name: str) -> str | None:
         if any(candidate in r for r in rows):
             return candidate
     return None
+
+
+def metric_names(command: str) -> tuple | None:
+    """The columns `command` says its --metric may name (its module's METRICS; GROUP.* for
+    every column under GROUP), with the bookkeeping columns; None where it says none."""
+    try:
+        names = getattr(module_of(command), "METRICS", None)
+    except ImportError:
+        return None
+    return None if names is None else (*names, *BOOKKEEPING)
+
+
+def _known(name: str, names) -> bool:
+    name = name.removeprefix("out.")
+    return any(name == n or (n.endswith(".*") and name.startswith(n[:-1])) for n in names)
+
+
+def _listed(names) -> str:
+    """Names, with each run of NAME.mean, NAME.p50... written NAME.{mean,p50,...}."""
+    out, groups = [], {}
+    for n in names:
+        head, _, stat = n.rpartition(".")
+        if head and stat in STATISTICS:
+            if head not in groups:
+                groups[head] = []
+                out.append(head)
+            groups[head].append(stat)
+        else:
+            out.append(n)
+    return ", ".join(f"{n}.{{{','.join(groups[n])}}}" if n in groups else n for n in out)
+
+
+def check_metric(grid: Grid, metric: str) -> None:
+    """BadArgument (one line, the known names) for a --metric that the grid's command does not
+    make, before any cell runs; an axis of the grid is a column too. Commands that name no
+    METRICS are checked on their results (check_metric_column)."""
+    names = metric_names(grid.command)
+    if names is None or _known(metric, names) or metric.removeprefix("out.") in grid.axes:
+        return
+    shown = [n for n in names if n not in NOT_METRICS]
+    raise BadArgument(f"--metric {metric!r} is no metric of {grid.command}: known are "
+                      f"{_listed(shown)}")
+
+
+def check_metric_column(grid: Grid, rows: list[dict], metric: str) -> None:
+    """BadArgument (one line, the numeric columns) for a --metric that is no column of the
+    results (where some cell succeeded)."""
+    ok = [r for r in rows if r.get("status") == "ok"]
+    if not ok or _column(ok, metric) is not None or metric in grid.axes:
+        return
+    numeric = sorted(k for k in {k for r in ok for k in r}
+                     if any(isinstance(r.get(k), (int, float)) and not isinstance(r.get(k), bool)
+                            for r in ok))
+    raise BadArgument(f"--metric {metric!r} is not a column of the results of {grid.command}: "
+                      f"known are {_listed(numeric)} (every row is in the results table)")
 
 
 def _row_keys(command: str, ok: list[dict]) -> list[str]:

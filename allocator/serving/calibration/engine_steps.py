@@ -67,6 +67,13 @@ def read_tables(torch, device, dtype, run_tokens: int, batch: int, context: int,
     return pool, runs
 
 
+def read_shape(effort: Effort, device) -> tuple[int, tuple]:
+    """(requests, (short, long context)) of the read measurement on `device`: an accelerator
+    reads a CPU's working set in microseconds, so there more of it (ACCELERATOR_READS)."""
+    return ((effort.read_batch, effort.read_contexts) if device.type == "cpu"
+            else ACCELERATOR_READS)
+
+
 def measure_engine_reads(torch, dev: dict, dtype: str, config, effort: Effort,
                          seed: int) -> dict:
     """The engine's attention reading KV in runs of each of effort.read_run_tokens tokens (a
@@ -88,9 +95,7 @@ def measure_engine_reads(torch, dev: dict, dtype: str, config, effort: Effort,
     kvh, heads, D = config.num_key_value_heads, config.num_attention_heads, head_dim(config)
     backend = ra.attention_backend(device)
     rng = np.random.default_rng(seed)
-    # an accelerator reads a CPU's working set in microseconds: there, more of it
-    B, (short, long) = ((effort.read_batch, effort.read_contexts) if device.type == "cpu"
-                        else ACCELERATOR_READS)
+    B, (short, long) = read_shape(effort, device)
     q = torch.randn(B, heads, D, dtype=torch.float32).to(device, tdtype)
     calls, shapes = [], []
     with torch.no_grad():

@@ -43,47 +43,50 @@ def nnls(A, y) -> np.ndarray:
     return best
 
 
-def fit_overheads(layers, batch, overhead, step) -> dict:
-    """Fit overhead ~ k + layers x a + layers x batch x c + batch x b (seconds, each >= 0), with
-    each point's error relative to its whole step time `step` (a 1 ms step and a 10 ms step
-    count alike: a plain fit would give the small batches, where the overheads are most of the
-    step, almost no say). k is the step's own work outside the layers (embedding, rotary
-    tables, final norm, LM head, the argmaxes, the step's tables): without it the fit would
-    pass it off as per-layer and per-request cost, each then wrong for any other depth.
-    Returns the coefficients in seconds and each point's fitted overhead."""
-    L = np.asarray(layers, dtype=np.float64)
-    B = np.asarray(batch, dtype=np.float64)
+def fit_relative(columns: dict, overhead, step, what: str) -> tuple[dict, np.ndarray]:
+    """overhead ~ sum of each column times its coefficient (each >= 0), every point's error
+    relative to its whole step time `step` (a 1 ms step and a 10 ms step count alike: a plain
+    fit would give the short steps, where the overheads are most of the step, almost no say).
+    ({name: coefficient}, each point's fitted overhead); BadArgument naming `what` for fewer
+    points than columns + 1 or a step time that is not positive."""
+    A = np.column_stack([np.asarray(c, dtype=np.float64) for c in columns.values()])
     o = np.asarray(overhead, dtype=np.float64)
     s = np.asarray(step, dtype=np.float64)
-    if not (L.shape == B.shape == o.shape == s.shape and L.ndim == 1 and L.size >= 4):
-        raise BadArgument("the overhead fit needs at least 4 points, each with layers, batch, "
-                          "overhead and step time")
+    if not (A.ndim == 2 and o.shape == s.shape == (A.shape[0],)
+            and A.shape[0] > A.shape[1]):
+        raise BadArgument(f"the {what} fit needs at least {A.shape[1] + 1} points, each with "
+                          f"its shape, overhead and step time")
     if not (s > 0).all():
         raise BadArgument("step times must be positive")
-    A = np.column_stack([np.ones_like(L), L, L * B, B])
     x = nnls(A / s[:, None], o / s)
-    k, a, c, b = (float(v) for v in x)
-    return {"step_s": k, "layer_s": a, "layer_request_s": c, "request_s": b,
-            "fitted_s": A @ x}
+    return dict(zip(columns, (float(v) for v in x))), A @ x
+
+
+def fit_overheads(layers, batch, overhead, step) -> dict:
+    """Fit a decode step's overhead ~ k + layers x a + layers x batch x c + batch x b (seconds,
+    fit_relative). k is the step's own work outside the layers (embedding, rotary tables, final
+    norm, LM head, the argmaxes, the step's tables): without it the fit would pass it off as
+    per-layer and per-request cost, each then wrong for any other depth. Returns the
+    coefficients in seconds and each point's fitted overhead."""
+    L = np.asarray(layers, dtype=np.float64)
+    B = np.asarray(batch, dtype=np.float64)
+    got, fitted = fit_relative({"step_s": np.ones_like(L), "layer_s": L,
+                                "layer_request_s": L * B, "request_s": B},
+                               overhead, step, "overhead")
+    return {**got, "fitted_s": fitted}
 
 
 def fit_prefill_overheads(layers, prompts, overhead, step) -> dict:
-    """Fit a prompt step's overhead ~ k + layers x a + layers x prompts x c (seconds, each >= 0,
-    relative to each step's time, as fit_overheads): per step, per layer, per prompt per layer
-    (the engine attends each whole prompt on its own). The card's prefill_* keys."""
+    """Fit a prompt step's overhead ~ k + layers x a + layers x prompts x c (seconds,
+    fit_relative): per step, per layer, per prompt per layer (the engine attends each whole
+    prompt on its own). The card's prefill_* keys, in microseconds."""
     L = np.asarray(layers, dtype=np.float64)
     P = np.asarray(prompts, dtype=np.float64)
-    o = np.asarray(overhead, dtype=np.float64)
-    s = np.asarray(step, dtype=np.float64)
-    if not (L.shape == P.shape == o.shape == s.shape and L.ndim == 1 and L.size >= 3):
-        raise BadArgument("the prefill overhead fit needs at least 3 points, each with layers, "
-                          "prompts, overhead and step time")
-    if not (s > 0).all():
-        raise BadArgument("step times must be positive")
-    A = np.column_stack([np.ones_like(L), L, L * P])
-    k, a, c = (float(v) for v in nnls(A / s[:, None], o / s))
-    return {"prefill_step_overhead_us": k * 1e6, "prefill_layer_overhead_us": a * 1e6,
-            "prefill_layer_request_overhead_us": c * 1e6}
+    got, _ = fit_relative({"prefill_step_overhead_us": np.ones_like(L),
+                           "prefill_layer_overhead_us": L,
+                           "prefill_layer_request_overhead_us": L * P},
+                          overhead, step, "prefill overhead")
+    return {k: v * 1e6 for k, v in got.items()}
 
 
 def card_overheads(fit: dict) -> dict:

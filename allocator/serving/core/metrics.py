@@ -10,6 +10,8 @@ import math
 
 import numpy as np
 
+from odma_hw.errors import BadArgument
+
 from allocator.policies import policy as policy_spec
 
 
@@ -21,20 +23,150 @@ def percentiles(values) -> dict:
     return {"mean": float(v.mean()), "p50": float(p50), "p90": float(p90), "p99": float(p99)}
 
 
-def request_metrics(reqs, span: float, made: int) -> dict:
+def weighted_percentiles(values, counts) -> dict:
+    """percentiles() of the array in which values[i] appears counts[i] times, without building
+    it (np.percentile's linear interpolation between the two ranks around each quantile)."""
+    v = np.asarray(values, dtype=np.float64)
+    c = np.asarray(counts, dtype=np.int64)
+    keep = c > 0
+    v, c = v[keep], c[keep]
+    n = int(c.sum())
+    if not n:
+        return {"mean": None, "p50": None, "p90": None, "p99": None}
+    order = np.argsort(v, kind="stable")
+    v, ends = v[order], np.cumsum(c[order])       # ranks [ends[i-1], ends[i]) hold v[i]
+
+    def at(rank):
+        return v[np.searchsorted(ends, rank, side="right")]
+
+    out = {"mean": float((v * c[order]).sum() / n)}
+    for name, q in (("p50", 50), ("p90", 90), ("p99", 99)):
+        pos = q / 100 * (n - 1)
+        lo = int(np.floor(pos))
+        a, b = at(lo), at(min(lo + 1, n - 1))
+        out[name] = float(a + (b - a) * (pos - lo))
+    return out
+
+
+# what a request's time per output token is where it made one token, for goodput (as vLLM)
+SLO_METRICS = {"ttft": "time to first token", "tpot": "time per output token",
+               "e2el": "end-to-end latency"}
+# how ITL was measured: from every token's time, or (simulate, which times runs of decode steps
+# in closed form and keeps no token's time) from each request's first and last token
+ITL_TOKEN_TIMES = "token times"
+ITL_MEAN_GAPS = ("per-request mean gap: the mean is exact (all gaps' sum over their count); "
+                 "median and p99 take each gap of a request at its request's mean gap")
+
+
+def parse_goodput(items) -> dict:
+    """--goodput's KEY:MS items (ttft, tpot, e2el, as vllm bench serve --goodput) -> {key:
+    seconds}; BadArgument in one line."""
+    out = {}
+    for item in items:
+        key, sep, value = item.partition(":")
+        key = key.strip().lower()
+        if not sep or key not in SLO_METRICS:
+            raise BadArgument(f"--goodput takes KEY:MS items with KEY among "
+                              f"{', '.join(SLO_METRICS)} (e.g. ttft:500 tpot:50), not {item!r}")
+        try:
+            ms = float(value)
+        except ValueError:
+            ms = math.nan
+        if not (math.isfinite(ms) and ms > 0):
+            raise BadArgument(f"--goodput {key}: a number of milliseconds > 0 is needed, not "
+                              f"{value!r}")
+        if key in out:
+            raise BadArgument(f"--goodput names {key} twice")
+        out[key] = ms / 1e3
+    return out
+
+
+def request_metrics(reqs, span: float, made: int, token_times=None, slo=None) -> dict:
     """What every run reports of its requests over `span` seconds in which they made `made`
     tokens: counts, rates and the latency percentiles (time to first token, time per output
-    token after the first, end to end)."""
-    return {
+    token after the first, inter-token latency, end to end), as vllm bench serve reports them.
+    token_times: each request's times of its tokens (ITL from every gap between two
+    consecutive tokens); None: ITL from each request's first and last token (ITL_MEAN_GAPS).
+    slo: {ttft|tpot|e2el: seconds} (parse_goodput): the requests within all of them are good
+    (a one-token request's TPOT counts as 0, as vLLM counts it)."""
+    ttft = np.array([q.first_token - q.arrival for q in reqs], dtype=np.float64)
+    e2e = np.array([q.finish - q.arrival for q in reqs], dtype=np.float64)
+    gaps = np.array([q.gen - 1 for q in reqs], dtype=np.int64)
+    decode = np.array([q.finish - q.first_token for q in reqs], dtype=np.float64)
+    tpot = np.divide(decode, gaps, out=np.zeros_like(decode), where=gaps > 0)
+    if token_times is not None:
+        itl = (np.concatenate([np.diff(np.asarray(t, dtype=np.float64)) for t in token_times])
+               if len(token_times) else np.zeros(0))
+        itl_s, basis = percentiles(itl), ITL_TOKEN_TIMES
+    else:
+        itl_s, basis = weighted_percentiles(tpot, gaps), ITL_MEAN_GAPS
+    prompt = int(sum(q.prompt for q in reqs))
+    out = RunMetrics({
         "requests": len(reqs),
         "completed": sum(q.finish is not None for q in reqs),
         "output_tps": made / span,
         "requests_per_s": len(reqs) / span,
-        "ttft_s": percentiles([q.first_token - q.arrival for q in reqs]),
-        "tpot_s": percentiles([(q.finish - q.first_token) / (q.gen - 1) for q in reqs
-                               if q.gen > 1]),
-        "e2e_s": percentiles([q.finish - q.arrival for q in reqs]),
-    }
+        "ttft_s": percentiles(ttft),
+        "tpot_s": percentiles(tpot[gaps > 0]),
+        "e2e_s": percentiles(e2e),
+        "input_tokens": prompt,
+        "total_tps": (prompt + made) / span,
+        "itl_s": itl_s,
+        "itl_basis": basis,
+        "goodput": None,
+    })
+    out.latencies = {"ttft": ttft, "tpot": tpot, "e2el": e2e}
+    out.span = span
+    if slo:
+        out["goodput"] = goodput(out.latencies, span, slo)
+    return out
+
+
+class RunMetrics(dict):
+    """A result object that also keeps its requests' latencies (not in its JSON), for what the
+    command line decides after the run (--goodput): `latencies` {ttft, tpot, e2el: seconds per
+    request} over `span` seconds."""
+
+    latencies: dict
+    span: float
+
+
+def goodput(latencies: dict, span: float, slo: dict) -> dict:
+    """The requests within every SLO of `slo` ({ttft|tpot|e2el: seconds}) and their rate."""
+    good = np.ones(len(latencies["ttft"]), dtype=bool)
+    for key, limit in slo.items():
+        good &= latencies[key] <= limit
+    n = int(good.sum())
+    return {"slo_ms": {k: v * 1e3 for k, v in slo.items()}, "good_requests": n,
+            "requests_per_s": n / span}
+
+
+def apply_goodput(result: dict, slo: dict | None) -> None:
+    """Set a result's goodput (and its vLLM summary's) for `slo` (None: nothing to do); the
+    result must be a RunMetrics from this run."""
+    if not slo:
+        return
+    result["goodput"] = goodput(result.latencies, result.span, slo)
+    if "vllm_summary" in result:
+        result["vllm_summary"]["request_goodput"] = result["goodput"]["requests_per_s"]
+
+
+def vllm_summary(r: dict) -> dict:
+    """A result's figures under the names of vllm bench serve --save-result (ms), to set beside
+    a vLLM run's."""
+    def ms(p):
+        return {f"{name}": None if p[key] is None else p[key] * 1e3
+                for name, key in (("mean", "mean"), ("median", "p50"), ("p99", "p99"))}
+    out = {"completed": r["completed"], "duration": r["duration_s"],
+           "total_input_tokens": r["input_tokens"], "total_output_tokens": r["output_tokens"],
+           "request_throughput": r["completed"] / r["duration_s"],
+           "request_goodput": None if r["goodput"] is None else r["goodput"]["requests_per_s"],
+           "output_throughput": r["output_tps"], "total_token_throughput": r["total_tps"]}
+    for metric, key in (("ttft", "ttft_s"), ("tpot", "tpot_s"), ("itl", "itl_s"),
+                        ("e2el", "e2e_s")):
+        for stat, v in ms(r[key]).items():
+            out[f"{stat}_{metric}_ms"] = v
+    return out
 
 
 def summarise(trace, policy, setup, results, reqs, replicas, dropped, truncated, wall) -> dict:
@@ -75,6 +207,11 @@ def summarise(trace, policy, setup, results, reqs, replicas, dropped, truncated,
         "ttft_s": m["ttft_s"],
         "tpot_s": m["tpot_s"],
         "e2e_s": m["e2e_s"],
+        "input_tokens": m["input_tokens"],
+        "total_tps": m["total_tps"],
+        "itl_s": m["itl_s"],
+        "itl_basis": m["itl_basis"],
+        "goodput": m["goodput"],
         "utilization": used / reserved if reserved else None,
         "mean_batch": tot["batch_seconds"] / decode,
         "peak_batch": int(tot["peak_batch"]),
@@ -108,6 +245,14 @@ def summarise(trace, policy, setup, results, reqs, replicas, dropped, truncated,
         "series": [{"t": t, "running": nr, "waiting": nw, "occupancy": o}
                    for t, nr, nw, o in results[0]["series"]],
     }
+    out["vllm_summary"] = vllm_summary(out)
+    return _keeping(m, out)
+
+
+def _keeping(m: RunMetrics, out: dict) -> RunMetrics:
+    """`out` as a RunMetrics with m's latencies."""
+    out = RunMetrics(out)
+    out.latencies, out.span = m.latencies, m.span
     return out
 
 
@@ -122,6 +267,7 @@ def _settings(policy, setup, replicas) -> dict:
         "prefill": ("whole prompts, prefill-first (vLLM v0)"
                     if setup.max_batched_tokens is None else
                     f"chunked, {setup.max_batched_tokens} tokens per step (vLLM v1)"),
+        "max_num_batched_tokens": setup.max_batched_tokens,
         "concurrency": setup.concurrency,
         "preemption": (f"swap ({setup.swap_space_gb:g} GB host, {setup.swap_gbps:g} GB/s)"
                        if setup.preemption == "swap" else "recompute"),
@@ -153,16 +299,16 @@ def _prefix_summary(tot, results, reqs) -> dict | None:
     }
 
 
-def summarise_engine(policy: str, run: dict, setup: dict) -> dict:
+def summarise_engine(policy: str, run: dict, setup: dict, slo: dict | None = None) -> dict:
     """The result object of one policy the engine served (torch_engine.serve's `run`), with
-    simulate's metric names."""
+    simulate's metric names; ITL from the run's token times where it kept them."""
     reqs = run["requests"]
     span = max(run["seconds"], 1e-12)
     made = sum(len(t) for t in run["tokens"])
-    m = request_metrics(reqs, span, made)
+    m = request_metrics(reqs, span, made, run.get("token_times"), slo)
     used, reserved = run["used_tokens"], run["reserved_tokens"]
     a = run["allocator"]
-    return {
+    out = {
         "policy": policy,
         "requests": m["requests"],
         "completed": m["completed"],
@@ -173,6 +319,11 @@ def summarise_engine(policy: str, run: dict, setup: dict) -> dict:
         "ttft_s": m["ttft_s"],
         "tpot_s": m["tpot_s"],
         "e2e_s": m["e2e_s"],
+        "input_tokens": m["input_tokens"],
+        "total_tps": m["total_tps"],
+        "itl_s": m["itl_s"],
+        "itl_basis": m["itl_basis"],
+        "goodput": m["goodput"],
         "preemptions": run["preemptions"],
         "migrations": a.get("migrations", 0),
         "utilization": used / reserved if reserved else None,
@@ -183,3 +334,27 @@ def summarise_engine(policy: str, run: dict, setup: dict) -> dict:
         "mismatches": None, "near_ties": None, "non_finite": None, "max_logit_diff": None,
         "settings": setup,
     }
+    out["vllm_summary"] = vllm_summary(out)
+    return _keeping(m, out)
+
+
+# -- the metric names a sweep's --metric takes: the result objects' numeric columns, flattened
+# as a sweep flattens them ("ttft_s.p99"); GROUP.* stands for every column under GROUP
+STATS = ("mean", "p50", "p90", "p99")
+_LATENCIES = tuple(f"{k}.{s}" for k in ("ttft_s", "tpot_s", "itl_s", "e2e_s") for s in STATS)
+_SUMMARY = ("input_tokens", "total_tps", *_LATENCIES, "goodput.good_requests",
+            "goodput.requests_per_s", "goodput.slo_ms.*", "vllm_summary.*")
+SIMULATE_METRICS = (
+    "rate", "offered_rate", "requests", "completed", "lost", "dropped_over_length",
+    "truncated_over_length", "duration_s", "output_tokens", "output_tps", "requests_per_s",
+    *_SUMMARY, "utilization", "mean_batch", "peak_batch", "preemptions", "swaps", "swap_s",
+    "migrations", "migrated_bytes", "migration_s", "steps", "mean_step_s", "step_time_share.*",
+    "compute_bound_step_share", "busy_time_share.*", "kv_read_bytes_share",
+    "time_avg_occupancy", "floor_margin_min", "compute_floor_margin_min",
+    "prefill_floor_margin_min", "kv_pool_gb_per_card", "kv_pool_tokens", "wall_seconds",
+    "prefix_cache.*", "settings.*", "timing.*")
+ENGINE_METRICS = (
+    "requests", "completed", "output_tokens", "output_tps", "requests_per_s", "duration_s",
+    *_SUMMARY, "preemptions", "migrations", "utilization", "mean_batch", "peak_batch", "steps",
+    "startup_s", "mismatches", "near_ties", "non_finite", "max_logit_diff", "kv_cache_mb",
+    "settings.*")
