@@ -664,3 +664,17 @@ def test_the_engines_read_rate_is_measured_per_run_length_on_the_engines_attenti
         assert p["short_s"] > 0 and p["long_s"] > 0
         if p["gbps"] is not None:
             assert got["gbps"][p["run_bytes"]] == p["gbps"] > 0
+
+
+def test_reads_too_few_for_a_table_leave_the_card_on_the_memorys_rates(tmp_path,
+                                                                      measured_instantly,
+                                                                      monkeypatch):
+    def one_rate(torch, dev, dtype, config, effort, seed):
+        return {"gbps": {4096: 10.0}, "points": [], "backend": "torch", "layers": 4,
+                "kv_heads": 2, "head_dim": 8, "dtype": dtype}
+    monkeypatch.setattr(engine_steps, "measure_engine_reads", one_rate)
+    rc, out, err = run(["calibrate", "--quick", "--json", "--model", "tiny-llama",
+                        "--out", str(tmp_path / "c.toml")])
+    assert rc == 0, err
+    assert "too few for a table" in err
+    assert "engine_run_gbps" not in card_of(tmp_path / "c.toml")

@@ -194,6 +194,11 @@ def calibrate(args, progress=None) -> dict:
     load = OtherLoad()
     reads = engine_steps.measure_engine_reads(torch, dev, dtype, p["config"], effort, args.seed)
     other["engine reads"] = load.share()
+    if len(reads["gbps"]) < 2:
+        # a table needs two sizes to interpolate between: without one the memory's rates serve
+        show(f"calibrate {dev['spec']}: warning: the engine's reads gave {len(reads['gbps'])} "
+             f"rate(s), too few for a table: the card reads KV at the memory's rates")
+        reads["gbps"] = {}
 
     show(f"calibrate {dev['spec']}: the engine's steps on {args.model} at "
          f"{' and '.join(map(str, effort.fit_layers))} layers: decode batch "
@@ -263,7 +268,7 @@ def calibrate(args, progress=None) -> dict:
     values.update({"mfu": 1.0,
                    "matmul_tflops": {r: mm[dtype][r] for r in sorted(mm[dtype])},
                    "timing": f"probe:{probe_name}",
-                   "engine_run_gbps": dict(reads["gbps"]),
+                   **({"engine_run_gbps": dict(reads["gbps"])} if reads["gbps"] else {}),
                    "link_gbps": LINK_GBPS_PLACEHOLDER,
                    "link_latency_us": LINK_LATENCY_US_PLACEHOLDER,
                    **over, "source": source})

@@ -81,9 +81,10 @@ def measure_engine_reads(torch, dev: dict, dtype: str, config, effort: Effort,
     `config`'s heads: one step's decode_attention over READ_LAYERS layers of effort.read_batch
     requests (ACCELERATOR_READS on an accelerator), the step's run table fresh each time (the
     torch path rebuilds its gather index every step, as the engine's steps do; on CUDA the step
-    is a graph replay, as the engine's decode steps are), timed at two contexts. The rate is the KV bytes the
-    longer context adds over the time it adds: what each further token costs, the step's fixed
-    costs (launches, the table's set-up) cancelled, which the step overheads carry instead.
+    is a graph replay, as the engine's decode steps are), timed at two contexts. The rate is
+    the KV bytes the longer context adds over the time it adds: what each further token costs,
+    the step's fixed costs (launches, the table's set-up) cancelled, which the step overheads
+    carry instead; none where the longer context did not take longer (noise).
     Returns {"gbps": {run bytes: GB/s}, "points": [...], "backend": ...}; a run's bytes are
     run tokens x head_dim x the element size: one (layer, K or V, KV head) run, as the
     simulator's step timer sizes runs."""
