@@ -359,15 +359,7 @@ def card_is_json(path) -> bool:
 def card_fields(path, data) -> dict:
     """The Accelerator fields of a card's parsed document `data`, every key checked, the timing
     source as written; BadArgument in one line naming the file `path` and the key."""
-    if not isinstance(data, dict):
-        raise BadArgument(f"card {path}: the top level must be a table of keys")
-    unknown = [k for k in data if k not in CARD_KEYS]
-    if unknown:
-        raise BadArgument(f"card {path}: unknown key {unknown[0]!r}; a card has "
-                          f"{', '.join(CARD_KEYS)}")
-    missing = [k for k, (required, _) in CARD_KEYS.items() if required and k not in data]
-    if missing:
-        raise BadArgument(f"card {path}: missing key {missing[0]!r}")
+    datafile.check_keys(f"card {path}", data, CARD_KEYS, "a card")
     return {k: _card_value(path, k, v) for k, v in data.items()}
 
 

@@ -114,15 +114,7 @@ def _value(where: str, key: str, v, kind):
 
 
 def _checked(where: str, data, keys: dict) -> dict:
-    if not isinstance(data, dict):
-        raise BadArgument(f"{where}: must be a table of keys")
-    unknown = [k for k in data if k not in keys]
-    if unknown:
-        raise BadArgument(f"{where}: unknown key {unknown[0]!r}; a profile has "
-                          f"{', '.join(keys)}")
-    missing = [k for k, (required, _) in keys.items() if required and k not in data]
-    if missing:
-        raise BadArgument(f"{where}: missing key {missing[0]!r}")
+    datafile.check_keys(where, data, keys, "a profile")
     return {k: _value(where, k, v, keys[k][1]) for k, v in data.items()}
 
 
