@@ -449,8 +449,9 @@ def register(subparsers) -> None:
                     "per-request and per-request-per-layer overheads of the engine's decode "
                     "and prefill steps and its serving loop, fitted on --model cut to "
                     "2 and 6 layers. link_gbps and link_latency_us are not measured: the card "
-                    "carries placeholders and says so. About 2 minutes on a quiet 2-core CPU "
-                    "(--quick: about a minute, most of it the LM head at the prefill rows); "
+                    "carries placeholders and says so. About 4 minutes for qwen2.5-0.5b on a quiet "
+                    "2-core CPU, most of it the LM head's products and steps (--quick "
+                    "--model tiny-llama: 15 s); "
                     "other processes running meanwhile make every figure wrong, and a warning "
                     "says so.")
     p.add_argument("--device", default="torch:cpu", metavar="torch:DEV",
