@@ -77,8 +77,7 @@ POLICY_NAMES = {"oracle", "paged", "extent", "elastic", "static", "s3", "odma"}
 REGISTRIES = {"allocator/policies.py", "allocator/predictors.py"}
 # comparisons outside the registries that files owned elsewhere still make, one per line;
 # each should read the policy's descriptor (allocator.policies.policy(name)) instead
-KNOWN = {("allocator/serving/cli.py", 'r["policy"] == "paged"'),
-         ("allocator/serving/cli.py", 'p != "static"')}
+KNOWN = {("allocator/serving/cli.py", 'p != "static"')}
 
 
 def _names(node) -> set:

@@ -18,7 +18,7 @@ from odma_hw.commands import ValueCheck
 from odma_hw.errors import BadArgument, OdmaError, RunFailed
 
 from allocator.config import AllocatorConfig
-from allocator.policies import POLICIES
+from allocator.policies import POLICIES, policy
 from allocator.replay import add_policy_arguments
 from allocator.serving.core.checks import PREEMPTION, check_scheduling
 from allocator.serving.core.metrics import (ITL_TOKEN_TIMES, SIMULATE_METRICS, SLO_METRICS,
@@ -350,9 +350,13 @@ def simulate(trace, policies=("odma", "static", "paged"), rates=(None,), *,
     return out
 
 
-def run_label(r: dict) -> str:
-    """A simulate result's load and policy, as its rows name them."""
-    return f"{load_of(r)} {r['policy']}"
+def _paged(r) -> bool:
+    return policy(r["policy"]).layout == "paged"
+
+
+def policy_label(r) -> str:
+    """A result's policy as the tables name it: a paged one with its layout (paged/hnd)."""
+    return r["policy"] + (f"/{r['layout']}" if _paged(r) else "")
 
 
 def load_of(r: dict) -> str:
@@ -371,7 +375,7 @@ def head_line(results: list[dict]) -> str:
     st = results[0]["settings"]
     layouts = ", ".join(dict.fromkeys(
         f"{r['policy']} {r['layout']}" + (f" ({st['page_tokens']}-token pages)"
-                                          if r["policy"] == "paged" else "")
+                                          if _paged(r) else "")
         for r in results))
     chunk = st.get("max_num_batched_tokens")
     return (f"{st['device']} TP{st['tp']} x {st['replicas']} replica(s), {st['model']} "
@@ -387,8 +391,7 @@ def format_table(results: list[dict]) -> str:
         def ms(x):
             return "-" if x is None else (f"{x * 1e3:.0f}ms" if x < 1 else f"{x:.1f}s")
         rows.append([
-            load_of(r), r["policy"] + (
-                f"/{r['layout']}" if r["policy"] == "paged" else ""),
+            load_of(r), policy_label(r),
             f"{r['output_tps']:.1f}", f"{r['requests_per_s']:.3f}", ms(r["ttft_s"]["p50"]),
             ms(r["ttft_s"]["p99"]), ms(r["tpot_s"]["p50"]), ms(r["e2e_s"]["p50"]),
             ms(r["e2e_s"]["p99"]),
@@ -425,8 +428,7 @@ def format_table(results: list[dict]) -> str:
                 f"saved {pc['prefill_saved_s']:.1f} s, restores {pc['restore_s']:.1f} s, offers "
                 f"{pc['offer_s']:.1f} s")
     lines += [""] + summary_table(results, [
-        f"{load_of(r)} {r['policy']}" + (f"/{r['layout']}" if r["policy"] == "paged" else "")
-        for r in results])
+        f"{load_of(r)} {policy_label(r)}" for r in results])
     return "\n".join(lines)
 
 

@@ -32,6 +32,7 @@ def prepare(args):
     import types
 
     from allocator.config import AllocatorConfig
+    from allocator.policies import policy as policy_spec
     from allocator.serving.cli import check_options_used, parse_policies
     from allocator.serving.core.requests import fit_lengths
     from allocator.serving.engine import check_pool
@@ -87,7 +88,7 @@ def prepare(args):
         raise BadArgument(f"{pool_option} holds {pool // bpt} tokens of KV, "
                           f"less than one {cap}-token request ({bpt} B per token)")
     knee = args.extent_knee_tokens
-    if knee is None and args.card and {"extent", "elastic"} & set(policies):
+    if knee is None and args.card and any(policy_spec(p).knee for p in pooled):
         # a (layer, K/V, head) run holds head_dim elements per token
         unit = bpt // (2 * config.num_hidden_layers * config.num_key_value_heads)
         knee = card_knee(args.card, unit, cap)
