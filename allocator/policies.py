@@ -12,7 +12,9 @@ that no module outside this one compares policy names:
 - demand: admission by predicted demand (commit KV as tokens come, preempt the least progress
   to make room) instead of reserving a request's block up front;
 - places: its allocator places blocks with a placement policy (allocator.placement), whose
-  bucket is a request's co-batching tag.
+  bucket is a request's co-batching tag;
+- cobatches: co-batching by bucket tag changes its runs (static puts every request in one
+  bucket: its runs keep arrival order).
 
 The placement policies and the contiguous allocators are in allocator/placement.py; paging in
 paged.py; extents in extent.py. This module imports all three and none of them imports it.
@@ -44,6 +46,7 @@ class PolicySpec:
     knee: bool = False
     demand: bool = False
     places: bool = True
+    cobatches: bool = True
 
     def predictor(self, name: str) -> str:
         """The predictor a run of this policy uses when `name` is asked for."""
@@ -62,7 +65,7 @@ def _paged(device, pool, bpt, max_tokens, config, page_tokens):
 # the command line's order
 POLICY = {p.name: p for p in (
     PolicySpec("odma", _contiguous(RacmAllocator)),
-    PolicySpec("static", _contiguous(StaticAllocator)),
+    PolicySpec("static", _contiguous(StaticAllocator), cobatches=False),
     PolicySpec("s3", _contiguous(S3Allocator)),
     PolicySpec("paged", _paged, layout="paged", places=False),
     PolicySpec("oracle", _contiguous(OracleAllocator), oracle=True),

@@ -75,9 +75,6 @@ POLICY_NAMES = {"oracle", "paged", "extent", "elastic", "static", "s3", "odma"}
 # the registries that own these names: the policies' (allocator/policies.py) and the
 # predictors' (allocator/predictors.py: "oracle" is a predictor too)
 REGISTRIES = {"allocator/policies.py", "allocator/predictors.py"}
-# comparisons outside the registries that files owned elsewhere still make, one per line;
-# each should read the policy's descriptor (allocator.policies.policy(name)) instead
-KNOWN = {("allocator/serving/cli.py", 'p != "static"')}
 
 
 def _names(node) -> set:
@@ -118,8 +115,7 @@ def test_no_module_compares_policy_names_outside_the_registry(path):
     """A policy is what its descriptor says (allocator.policies.PolicySpec: its allocator,
     predictor, KV layout, knee, admission), not a name to compare: a new policy then needs a
     registry entry, not a hunt through every module that spells the old ones."""
-    found = [(line, src) for line, src in policy_comparisons(path)
-             if (str(path), src) not in KNOWN]
+    found = policy_comparisons(path)
     assert not found, f"{path} compares policy names: {found}"
 
 

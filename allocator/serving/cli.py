@@ -183,8 +183,8 @@ def summary_table(results: list[dict], labels: list[str]) -> list[str]:
 # options that change only some policies' runs -> those policies: a demand bound is elastic's
 # admission plan; co-batching picks requests by bucket tag, and static puts every request in one
 # bucket, so its runs keep arrival order
-OPTION_POLICIES = {"--demand-bound": ("elastic",),
-                   "--cobatch": tuple(p for p in POLICIES if p != "static")}
+OPTION_POLICIES = {"--demand-bound": tuple(p for p in POLICIES if policy(p).demand),
+                   "--cobatch": tuple(p for p in POLICIES if policy(p).cobatches)}
 
 
 def check_options_used(policies, demand_bound=0.0, cobatch: int = 0) -> None:
