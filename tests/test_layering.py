@@ -124,3 +124,20 @@ def test_the_check_finds_a_policy_comparison(tmp_path, monkeypatch):
     (tmp_path / "m.py").write_text('if policy in ("extent", "elastic") or p == "odma":\n    pass\n'
                                    'if self.layout == "extent" or kind == "decode":\n    pass\n')
     assert [line for line, _ in policy_comparisons(Path("m.py"))] == [1, 1]
+
+
+def test_every_folder_of_code_or_data_ships_in_the_distribution():
+    """A folder left out of pyproject.toml's packages is missing from an installed wheel while
+    the editable install of the tests still imports it (allocator.serving.core once was)."""
+    try:
+        import tomllib
+    except ImportError:                 # Python 3.10
+        import tomli as tomllib
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        listed = set(tomllib.load(f)["tool"]["setuptools"]["packages"])
+    folders = {p.parent.relative_to(ROOT) for top in ("allocator", "odma_hw")
+               for p in (ROOT / top).rglob("*") if p.suffix in (".py", ".toml", ".json")
+               and "__pycache__" not in p.parts}
+    missing = sorted(str(f).replace("/", ".") for f in folders
+                     if str(f).replace("/", ".") not in listed)
+    assert not missing, f"pyproject.toml's packages lack {missing}"

@@ -3,7 +3,8 @@
     decode = max(memory, compute) + step overhead
              + layers x (layer overhead + batch x layer-request overhead)
              + batch x request overhead + all-reduce (TP > 1), where
-      memory = weights / (seq GB/s) + sum over running requests of their KV runs / (run GB/s)
+      memory = weights / (seq GB/s x the card's weight_read_efficiency)
+               + sum over running requests of their KV runs / (run GB/s)
                (run GB/s: the card's engine_run_gbps where it has one, the rate the engine's
                attention reads runs at; else the memory's, from the card's timing source),
       compute = the batch's FLOPs (weights and attention over each context) / (peak x MFU)

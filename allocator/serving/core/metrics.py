@@ -15,6 +15,10 @@ from odma_hw.errors import BadArgument
 from allocator.policies import policy as policy_spec
 
 
+# the per-request figures (request_metrics) both summaries give, in their JSON's order
+REQUEST_KEYS = ("output_tps", "requests_per_s", "ttft_s", "tpot_s", "e2e_s", "input_tokens",
+                "total_tps", "itl_s", "itl_basis", "goodput")
+
 def percentiles(values) -> dict:
     if not len(values):
         return {"mean": None, "p50": None, "p90": None, "p99": None}
@@ -202,16 +206,7 @@ def summarise(trace, policy, setup, results, reqs, replicas, dropped, truncated,
         "truncated_over_length": truncated,
         "duration_s": span,
         "output_tokens": made,
-        "output_tps": m["output_tps"],
-        "requests_per_s": m["requests_per_s"],
-        "ttft_s": m["ttft_s"],
-        "tpot_s": m["tpot_s"],
-        "e2e_s": m["e2e_s"],
-        "input_tokens": m["input_tokens"],
-        "total_tps": m["total_tps"],
-        "itl_s": m["itl_s"],
-        "itl_basis": m["itl_basis"],
-        "goodput": m["goodput"],
+        **{k: m[k] for k in REQUEST_KEYS},
         "utilization": used / reserved if reserved else None,
         "mean_batch": tot["batch_seconds"] / decode,
         "peak_batch": int(tot["peak_batch"]),
@@ -312,18 +307,9 @@ def summarise_engine(policy: str, run: dict, setup: dict, slo: dict | None = Non
         "policy": policy,
         "requests": m["requests"],
         "completed": m["completed"],
-        "output_tokens": made,
-        "output_tps": m["output_tps"],
-        "requests_per_s": m["requests_per_s"],
         "duration_s": span,
-        "ttft_s": m["ttft_s"],
-        "tpot_s": m["tpot_s"],
-        "e2e_s": m["e2e_s"],
-        "input_tokens": m["input_tokens"],
-        "total_tps": m["total_tps"],
-        "itl_s": m["itl_s"],
-        "itl_basis": m["itl_basis"],
-        "goodput": m["goodput"],
+        "output_tokens": made,
+        **{k: m[k] for k in REQUEST_KEYS},
         "preemptions": run["preemptions"],
         "migrations": a.get("migrations", 0),
         "utilization": used / reserved if reserved else None,
