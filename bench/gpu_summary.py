@@ -68,7 +68,8 @@ def fidelity(folder: Path) -> list[str]:
 
 def speed(folder: Path) -> list[str]:
     lines = []
-    for run in ("speed32", "speed32_chunked", "full256", "full256_hf", "speed32_hf_graphs"):
+    for run in ("speed32", "speed32_chunked", "full256", "full256_rev", "full256_hf",
+                "speed32_hf_graphs"):
         doc = load(folder / f"{run}.out")
         if not doc:
             continue
@@ -76,7 +77,8 @@ def speed(folder: Path) -> list[str]:
             m = metrics(r)
             lines.append(f"{run:18s} {p:8s} {m[0]:9.1f} tok/s  TTFT p50 {m[1]:8.1f} ms  "
                          f"TPOT p50 {m[2]:6.2f} ms p99 {m[3]:6.2f} ms  graphs "
-                         f"{r.get('cuda_graphs')}  attention {r.get('attention')}")
+                         f"{r.get('cuda_graphs')}  attention {r.get('attention')}  "
+                         f"compiled in run {r.get('kernel_compiles', '-')}")
     eng = by_policy(load(folder / "speed32.out"))
     hf_graphs = by_policy(load(folder / "speed32_hf_graphs.out")).get("hf")
     if "odma" in eng:
@@ -104,9 +106,31 @@ def card(folder: Path) -> list[str]:
             f"{o['prefill']['max_relative_residual']:.3f}"]
 
 
+def kernel(folder: Path) -> list[str]:
+    """The decode kernel's KV read rate per geometry, batch x context and layout, and its
+    fraction of the probe's sequential read (calibrate's card) on the same card."""
+    doc = load(folder / "kernel_bench.json")
+    if not doc:
+        return []
+    seq = (load(folder / "calibrate.out") or {}).get("bandwidth", {}).get("seq_gbps")
+    lines = ["decode kernel KV reads (GB/s; / contiguous" + (f"; / probe seq {seq:.0f}" if seq
+                                                             else "") + ")"]
+    for b in doc.get("benchmarks", []):
+        x = b.get("extra_info", {})
+        if "kv_gbps" not in x:
+            continue
+        p = b.get("params", {})
+        lines.append(f"  {p.get('geometry')} {p.get('batch')}x{p.get('context')} "
+                     f"{p.get('layout'):10s} {x['kv_gbps']:7.0f}  "
+                     f"{x.get('ratio_to_contiguous', 0):.2f}"
+                     + (f"  {x['kv_gbps'] / seq:.2f}" if seq else ""))
+    return lines
+
+
 def main(argv=None) -> int:
     folder = Path((argv or sys.argv[1:] or ["."])[0])
-    print("\n".join(card(folder) + checks(folder) + speed(folder) + fidelity(folder)))
+    print("\n".join(card(folder) + checks(folder) + speed(folder) + fidelity(folder)
+                    + kernel(folder)))
     return 0
 
 

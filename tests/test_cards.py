@@ -718,3 +718,28 @@ def test_fuzzed_cards_and_probe_files_end_in_0_2_or_3_and_never_a_traceback(
             failures.append(f"{folder}: engine --card: {type(exc).__name__}: {exc}"[:300])
     assert not failures, f"{len(failures)} of {FUZZ_CASES} cases:\n" + "\n".join(failures)
     assert 0 in codes and 2 in codes                # some cards served, some refused
+
+
+@pytest.mark.parametrize("measured", ["NVIDIA A100-SXM4-40GB", None])
+def test_a_card_whose_probe_file_is_of_another_device_exits_2(measured, tmp_path, small_trace,
+                                                               capsys):
+    """A card that names its hardware (device_name) refuses a probe file measured on other
+    hardware, or on hardware it cannot tell, in one line naming the card, the key and the file,
+    before any work; the same card with its own device's probe serves."""
+    entry = dict(GOOD_PROBE, **({"name": measured} if measured else {}))
+    (tmp_path / "p.json").write_text(json.dumps({"schema": "odma-hw.probe/1",
+                                                  "devices": [entry]}))
+    card = write_card(tmp_path, plain(timing="probe:p.json", bandwidth_gbps=10.0,
+                                      device_name="NVIDIA H100 80GB HBM3"))
+    argv = ["simulate", "--trace", small_trace, "--policy", "odma", "--device", card]
+    refused_in_one_line(argv, capsys, "device_name", "p.json")
+    entry["name"] = "nvidia h100 80GB HBM3 "           # the driver's name, case and spaces aside
+    (tmp_path / "p.json").write_text(json.dumps({"schema": "odma-hw.probe/1",
+                                                  "devices": [entry]}))
+    assert run_json(capsys, argv)["results"][0]["timing"]["source"] == "probe:x"
+
+
+def test_the_h100_card_names_the_device_its_probe_measured():
+    card = accelerator("h100-sxm")
+    probe = json.loads((CARD_DIR / "h100-sxm.probe.json").read_text())
+    assert card.device_name == probe["devices"][0]["name"] == "NVIDIA H100 80GB HBM3"

@@ -237,6 +237,26 @@ def test_engine_command_prints_the_contract_json(tmp_path, capsys):
         assert r["output_tokens"] == sum(2 + i for i in range(6))
 
 
+@pytest.mark.parametrize("share", [0.6, 0.05, None])
+def test_a_busy_host_is_said_beside_the_run_it_slowed(tmp_path, capsys, monkeypatch, share):
+    """The engine's times are the host's as much as the device's: when other processes took
+    more than a small share of the CPUs during a policy's run, one warning line says so, and
+    the JSON row carries the share (None where /proc/stat cannot tell)."""
+    from allocator.serving.calibration import measure
+
+    monkeypatch.setattr(measure.OtherLoad, "share", lambda self: share)
+    trace = tmp_path / "t.csv"
+    trace.write_text("num_prefill_tokens,num_decode_tokens\n5,2\n7,3\n")
+    assert main(["engine", "--trace", str(trace), "--model", "tiny-llama", "--kv-pool-mb",
+                 "0.05", "--policy", "odma", "--json"]) == 0
+    out = capsys.readouterr()
+    assert json.loads(out.out)["results"][0]["other_cpu_share"] == share
+    warned = [line for line in out.err.splitlines() if "busy host" in line]
+    assert len(warned) == (1 if share == 0.6 else 0)
+    if warned:
+        assert "60% of the CPUs during odma's run" in warned[0]
+
+
 def test_engine_serves_extents_with_the_knee_of_a_card(tmp_path, capsys):
     """--card's probe timing gives extent and elastic the knee simulate would derive;
     --extent-knee-tokens overrides it; both policies' tokens pass the check."""

@@ -261,6 +261,8 @@ def calibrate(args, progress=None) -> dict:
         + (" (WARNING: other processes ran during " + ", ".join(loaded) + ")" if loaded else "")
         + ". link_gbps and link_latency_us are placeholders, not measured."
         + (" (--quick: fewer repetitions)" if args.quick else ""))
+    doc = probe_document(dev, bw, effort.run_sizes)
+    measured = doc["devices"][0].get("name")      # the device the card's probe file measured
     values = {"name": name, "bandwidth_gbps": float(bw["seq_gbps"]),
               "capacity_gb": dev["capacity_bytes"] / 1e9, "tflops_bf16": tflops_bf16}
     if dtype == "float32":
@@ -271,7 +273,8 @@ def calibrate(args, progress=None) -> dict:
                    **({"engine_run_gbps": dict(reads["gbps"])} if reads["gbps"] else {}),
                    "link_gbps": LINK_GBPS_PLACEHOLDER,
                    "link_latency_us": LINK_LATENCY_US_PLACEHOLDER,
-                   **over, "source": source})
+                   **over, **({"device_name": measured} if measured else {}),
+                   "source": source})
     comments = {
         "bandwidth_gbps": [f"sequential read, GB/s (1e9 B/s); memory figures: {bw['source']}"],
         "capacity_gb": ["the device's whole memory, GB" + (" (host memory)" if
@@ -298,7 +301,6 @@ def calibrate(args, progress=None) -> dict:
               f"engine dtype {dtype}; `odma-hw simulate --device THIS_FILE` reads it"]
     text = card_json(values) if card_is_json(p["card"]) else card_text(values, comments, header)
     check_card(p["card"], text)
-    doc = probe_document(dev, bw, effort.run_sizes)
     from odma_hw import jsonout
 
     # the probe file first: a card never names a file that is not there yet

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 
 import numpy as np
 
@@ -14,6 +15,7 @@ from odma_hw.errors import BadArgument, DeviceUnavailable, OdmaError, RunFailed,
 
 from allocator.serving.cli import (cap_lengths, clip_note, goodput_slo, load_text, scheduler_text,
                                    summary_table)
+from allocator.serving.calibration.measure import BUSY_OTHER_SHARE, OtherLoad
 from allocator.serving.core.metrics import ENGINE_METRICS
 from allocator.serving.models import (DTYPES, check_attention_window, check_memory,
                                       check_weights, config_path, kv_bytes_per_token, load_config,
@@ -29,19 +31,14 @@ def prepare(args):
     KV pool bytes, max model length, ...): the config and the weights' headers, the options
     against the policies that use them, the trace against the model, every policy's pool, and
     what the model and the pool take against the device's free memory."""
-    import types
-
     from allocator.config import AllocatorConfig
     from allocator.policies import policy as policy_spec
     from allocator.serving.cli import check_options_used, parse_policies
-    from allocator.serving.core.requests import fit_lengths
     from allocator.serving.engine import check_pool
     from allocator.serving.presets import accelerator, model_from_config
     from allocator.serving.run_attention import attention_backend
     from allocator.serving.torch_engine import use_graphs
     from allocator.serving.core.checks import check_scheduling
-    from allocator.pool import resolve_device
-    from allocator.trace import arrival_seconds, load_trace
 
     if importlib.util.find_spec("torch") is None:
         raise DeviceUnavailable("the engine needs torch; pip install 'odma-hw[torch]'")
@@ -56,29 +53,10 @@ def prepare(args):
         accelerator(args.card, "--card")     # a card that is not there is refused, used or not
     config, folder = load_config(args.model)
     weights = check_weights(folder) if folder else []
-    trace = load_trace(args.trace)
-    if args.requests is not None:
-        trace = trace.head(args.requests)
-    trace = cap_lengths(trace, args.prompt_cap, args.output_cap)
+    trace, prompt, gen, arrivals, cap, dropped, truncated = requests_of(args, config)
     slo = goodput_slo(args.goodput)
-    limit = types.SimpleNamespace(name=args.model, max_context=config.max_position_embeddings)
-    prompt, gen, keep, cap, dropped, truncated = fit_lengths(trace, args.max_model_len, limit,
-                                                             args.clip)
-    check_attention_window(config, cap, args.model)
-    # a closed loop without a rate sends as fast as places free, as vllm bench serve does
-    arrivals = (np.zeros(len(keep)) if args.concurrency and args.rate is None
-                else arrival_seconds(trace, args.rate, 1.0, args.seed)[keep])
     check_scheduling(args.max_batch, args.max_num_batched_tokens, args.concurrency)
-    dev, owned = resolve_device(args.device)
-    try:
-        if not hasattr(dev, "dev"):
-            raise BadArgument(f"the engine runs on a torch device (torch:cpu, torch:cuda:0, ...), "
-                              f"not {args.device}")
-        device = str(dev.dev)
-        free = dev.info.free_bytes
-    finally:
-        if owned:
-            dev.close()
+    device, free = torch_device(args.device)
     backend = attention_backend(device, None if args.attention == "auto" else args.attention)
     use_graphs(args.cuda_graphs, device, backend)
     bpt = kv_bytes_per_token(config, args.dtype)
@@ -108,6 +86,44 @@ def prepare(args):
                 device=device, dropped=dropped, truncated=truncated, trace=trace.name, bpt=bpt,
                 knee=knee, attention=backend, alloc_config=alloc_config, slo=slo,
                 load=load_text(args.rate, args.concurrency, trace.arrival is not None))
+
+
+def requests_of(args, config):
+    """(trace, prompt lengths, output lengths, arrival seconds, max model length, dropped,
+    truncated) of the requests the engine serves: the trace cut to --requests and the caps,
+    fitted to the max model length and the model's context."""
+    import types
+
+    from allocator.serving.core.requests import fit_lengths
+    from allocator.trace import arrival_seconds, load_trace
+
+    trace = load_trace(args.trace)
+    if args.requests is not None:
+        trace = trace.head(args.requests)
+    trace = cap_lengths(trace, args.prompt_cap, args.output_cap)
+    limit = types.SimpleNamespace(name=args.model, max_context=config.max_position_embeddings)
+    prompt, gen, keep, cap, dropped, truncated = fit_lengths(trace, args.max_model_len, limit,
+                                                             args.clip)
+    check_attention_window(config, cap, args.model)
+    # a closed loop without a rate sends as fast as places free, as vllm bench serve does
+    arrivals = (np.zeros(len(keep)) if args.concurrency and args.rate is None
+                else arrival_seconds(trace, args.rate, 1.0, args.seed)[keep])
+    return trace, prompt, gen, arrivals, cap, dropped, truncated
+
+
+def torch_device(spec: str) -> tuple[str, int]:
+    """(torch device name, free bytes) of a torch:DEV spec; BadArgument for another backend."""
+    from allocator.pool import resolve_device
+
+    dev, owned = resolve_device(spec)
+    try:
+        if not hasattr(dev, "dev"):
+            raise BadArgument(f"the engine runs on a torch device (torch:cpu, torch:cuda:0, ...), "
+                              f"not {spec}")
+        return str(dev.dev), dev.info.free_bytes
+    finally:
+        if owned:
+            dev.close()
 
 
 DEFAULT_KV_POOL_GB = 0.064      # 64 MB: a CPU has no card capacity to take a share of
@@ -174,7 +190,7 @@ def compute(args, results: list | None = None, failed: list | None = None) -> di
         # torch's start-up and the kernels each step's shapes load or compile (cuBLAS, Triton)
         # do not land on the first policy measured; each request within the max model length
         # of a pool prepare() checked
-        warm = prompts[:args.max_batch]
+        warm = warmup_prompts(prompts, args.max_batch)
         serve(model, warm, [max(1, min(1 + j % 4, p["max_model_len"] - q.numel()))
                             for j, q in enumerate(warm)],
               [0.0] * len(warm), pooled[0], pool_bytes=p["pool"],
@@ -183,6 +199,7 @@ def compute(args, results: list | None = None, failed: list | None = None) -> di
               cuda_graphs=args.cuda_graphs, max_batched_tokens=args.max_num_batched_tokens)
     for policy in p["policies"]:
         show = progress(policy) if not args.json or os.isatty(2) else None
+        load = OtherLoad()
         try:
             if policy == "hf":
                 run = run_hf(model, prompts, p["gen"], p["arrivals"], max_batch=args.max_batch,
@@ -209,6 +226,16 @@ def compute(args, results: list | None = None, failed: list | None = None) -> di
         r = summarise(policy, run, settings, p["slo"])
         r["attention"] = run.get("attention")       # hf: None (transformers' own)
         r["cuda_graphs"] = run.get("cuda_graphs")   # hf: (varlen, decode) as it settled them
+        r["kernel_compiles"] = run.get("kernel_compiles", 0)
+        # what other processes took of the CPUs meanwhile: on a few cores a little of it
+        # slows every step the host drives, and the row would not say so
+        r["other_cpu_share"] = load.share()
+        if r["other_cpu_share"] is not None and r["other_cpu_share"] > BUSY_OTHER_SHARE:
+            print(f"odma-hw engine: other processes took {r['other_cpu_share']:.0%} of the CPUs "
+                  f"during {policy}'s run: its times are a busy host's", file=sys.stderr)
+        if r["kernel_compiles"]:
+            print(f"odma-hw engine: {r['kernel_compiles']} Triton kernel(s) compiled during "
+                  f"{policy}'s timed run: its times include the compilation", file=sys.stderr)
         # the KV the run kept its cache in: hf sizes its own, whatever --kv-pool-mb says
         r["kv_cache_mb"] = (run["allocator"]["cache_bytes"] / 1e6 if policy == "hf"
                             else p["pool"] / 1e6)
@@ -218,10 +245,17 @@ def compute(args, results: list | None = None, failed: list | None = None) -> di
     return {"schema": SCHEMA, "results": out, "failed": [] if failed is None else failed}
 
 
+def warmup_prompts(prompts: list, max_batch: int, longest: bool = False) -> list:
+    """The prompts of the untimed warm-up: the first max_batch, or the max_batch longest (in
+    the trace's order)."""
+    if not longest:
+        return prompts[:max_batch]
+    keep = sorted(sorted(range(len(prompts)), key=lambda j: -prompts[j].numel())[:max_batch])
+    return [prompts[j] for j in keep]
+
+
 def progress(policy: str, stream=None):
     """A progress callback: one line per second on stderr."""
-    import sys
-
     stream = stream or sys.stderr
 
     def show(done, total, seconds):

@@ -213,6 +213,9 @@ class Accelerator:
     # attention kernel reads them (calibrate measures it): where given, a step's KV reads cost
     # this instead of the memory's rate from `timing`, which still sizes extents and weights
     engine_run_gbps: tuple | None = None
+    # the hardware the card describes, as its driver names it ("NVIDIA H100 80GB HBM3"): a
+    # probe file the card's timing names must be of that device
+    device_name: str | None = None
     source: str = ""
     path: str = ""                  # the card file
 
@@ -263,6 +266,7 @@ CARD_KEYS = {
     "mfu": (False, FRACTION),
     "matmul_tflops": (False, "table"),
     "engine_run_gbps": (False, "rate table"),
+    "device_name": (False, "text"),
     "source": (False, "text"),
 }
 
@@ -346,7 +350,22 @@ def load_card(path) -> Accelerator:
     data = datafile.load_document(path, "card", as_json=card_is_json(path))
     fields = card_fields(path, data)
     fields["timing"] = _card_timing(path, fields["timing"], fields.get("emu_channels"))
+    if fields.get("device_name") and fields["timing"].startswith("probe:"):
+        _check_probe_device(path, fields["timing"].removeprefix("probe:"), fields["device_name"])
     return Accelerator(**fields, path=os.path.abspath(path))
+
+
+def _check_probe_device(path, probe: str, device_name: str) -> None:
+    """A card's probe file must measure the device the card names: a probe of another card
+    (an A100's figures under an H100's name, a host's under a GPU's) would pass every other
+    check and price every run wrong. BadArgument in one line naming both."""
+    data = datafile.load_document(probe, "probe JSON", as_json=True)
+    entries = data.get("devices") if isinstance(data, dict) else None
+    first = entries[0] if isinstance(entries, list) and entries else None
+    measured = first.get("name") if isinstance(first, dict) else None
+    if not isinstance(measured, str) or measured.strip().lower() != device_name.strip().lower():
+        raise BadArgument(f"card {path}: 'device_name' is {device_name!r}, but its timing's "
+                          f"probe file {probe} measured {datafile.shown(measured)}")
 
 
 def card_is_json(path) -> bool:

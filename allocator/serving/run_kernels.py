@@ -158,16 +158,16 @@ def decode_triton(q, pool, runs, layer, kv_heads, head_dim, scale, out, num_spli
         q, pool, runs.run_start, runs.run_off, runs.run_cap, runs.run_pos, runs.ctx_len,
         out, part_m, part_l, part_acc,
         q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(1), out.stride(2),
-        layer, float(scale) * 1.4426950408889634,
-        H=H, KVH=kv_heads, G=G, D=D, S=S, MIN_CHUNK=min_chunk if S > 1 else 0,
+        layer, float(scale) * 1.4426950408889634, S,
+        H=H, KVH=kv_heads, G=G, D=D, MIN_CHUNK=min_chunk if S > 1 else 0,
         BLOCK_G=max(16, _next_pow2(G)), BLOCK_D=max(16, _next_pow2(D)), BLOCK_N=block_n,
         LOG_N=block_n.bit_length() - 1,
         ALIGN=_align_of(runs.align, head_dim, pool.element_size()), DIRECT=S == 1, PREC=prec,
         UPCAST=upcast, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if S > 1:
         kern["combine"][(B, H)](
-            part_m, part_l, part_acc, out, out.stride(0), out.stride(1), out.stride(2),
-            H=H, D=D, S=S, BLOCK_S=_next_pow2(S), BLOCK_D=_next_pow2(D), num_warps=1)
+            part_m, part_l, part_acc, out, out.stride(0), out.stride(1), out.stride(2), S,
+            H=H, D=D, BLOCK_S=_next_pow2(MAX_SPLITS), BLOCK_D=_next_pow2(D), num_warps=1)
     return out
 
 
@@ -224,9 +224,23 @@ def _kernels(interpret: bool) -> dict:
         from triton.runtime.interpreter import InterpretedFunction as make
     else:
         from triton.runtime.jit import JITFunction as make
-    return {name: make(fn) for name, fn in (
-        ("store", _store_kv_kernel), ("decode", _decode_kernel),
-        ("combine", _combine_kernel), ("prefill", _prefill_kernel))}
+    # the split count S and the layer are values, not specialisations: a step whose batch size
+    # picks another S (an eager mixed step, a batch between two graph sizes) or a layer whose
+    # index is a multiple of 16 must not compile a kernel in the middle of a timed run
+    fixed = {"decode": ["S", "layer"], "combine": ["S"], "store": ["layer"],
+             "prefill": ["layer"]}
+    return {name: make(fn, **({} if interpret else {"do_not_specialize": fixed[name]}))
+            for name, fn in (("store", _store_kv_kernel), ("decode", _decode_kernel),
+                             ("combine", _combine_kernel), ("prefill", _prefill_kernel))}
+
+
+def compilations() -> int:
+    """Kernel variants compiled so far in this process (0 under the interpreter or without
+    triton): the engine counts those made during a timed run, whose times they would inflate."""
+    if interpreting() or _kernels.cache_info().currsize == 0 or not triton_available():
+        return 0
+    return sum(len(cache[0]) for kern in _kernels(False).values()
+               for cache in kern.device_caches.values())
 
 
 def _fix_interpreter() -> None:
@@ -273,9 +287,9 @@ def _store_kv_kernel(pool_ptr, k_ptr, v_ptr, slot_ptr, slot_cap_ptr,
 
 def _decode_kernel(q_ptr, pool_ptr, run_start_ptr, run_off_ptr, run_cap_ptr, run_pos_ptr,
                    ctx_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
-                   sq_b, sq_h, sq_d, so_b, so_h, so_d, layer, qk_scale,
+                   sq_b, sq_h, sq_d, so_b, so_h, so_d, layer, qk_scale, S,
                    H: tl.constexpr, KVH: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
-                   S: tl.constexpr, MIN_CHUNK: tl.constexpr, BLOCK_G: tl.constexpr,
+                   MIN_CHUNK: tl.constexpr, BLOCK_G: tl.constexpr,
                    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, LOG_N: tl.constexpr,
                    ALIGN: tl.constexpr, DIRECT: tl.constexpr, PREC: tl.constexpr,
                    UPCAST: tl.constexpr):
@@ -370,8 +384,8 @@ def _decode_kernel(q_ptr, pool_ptr, run_start_ptr, run_off_ptr, run_cap_ptr, run
                  mask=gmask[:, None] & dmask[None, :])
 
 
-def _combine_kernel(part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, so_b, so_h, so_d,
-                    H: tl.constexpr, D: tl.constexpr, S: tl.constexpr, BLOCK_S: tl.constexpr,
+def _combine_kernel(part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, so_b, so_h, so_d, S,
+                    H: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr,
                     BLOCK_D: tl.constexpr):
     b = tl.program_id(0)
     hq = tl.program_id(1)

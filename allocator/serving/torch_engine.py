@@ -46,7 +46,7 @@ from allocator.serving.core.plan import PREFILL, Executor, Outcome, Plan
 from allocator.serving.core.requests import RequestState
 from allocator.serving.kv_runs import KVPool
 from allocator.serving.models import DTYPES, check_weights, head_dim, kv_bytes_per_token, need
-from allocator.serving import run_attention
+from allocator.serving import run_attention, run_kernels
 from allocator.serving.runner import Runner, make_graphs
 
 import torch  # noqa: E402  (only `odma-hw engine` imports this module: torch is its to need)
@@ -165,8 +165,12 @@ def serve(model, prompts: list, gen: list, arrivals, policy: str, *, pool_bytes:
             unit = kv.page_tokens if kv.page_tokens is not None else config.token_alignment
             make_graphs(runner, max_batch, max_batch * (-(-max_model_len // unit) + 1))
         executor = RunnerExecutor(runner, sched, prompts, keep_logits, progress)
+        compiled = run_kernels.compilations()
         drive(sched, executor)
         out = executor.result()
+        # kernels compiled while the clock ran (a shape the warm-up missed): their seconds
+        # are in this run's times, and the engine says so
+        out["kernel_compiles"] = run_kernels.compilations() - compiled
         out["attention"] = backend
         out["cuda_graphs"] = runner.graphs is not None
         return out
