@@ -266,7 +266,16 @@ class EmuTiming(MemoryTiming):
         if np.ndim(run_bytes) == 0:
             return self._efficiency_at(math.log2(max(float(run_bytes), 1.0)))
         x = np.log2(np.maximum(np.asarray(run_bytes, dtype=np.float64), 1.0))
-        return np.array([self._efficiency_at(v) for v in x.ravel()]).reshape(x.shape)
+        # _efficiency_at over the array at once: the same interpolation, element by element
+        pos = (np.clip(x, GRID_MIN_LOG2, GRID_MAX_LOG2) - GRID_MIN_LOG2) * 2
+        lo = np.minimum(pos.astype(np.int64), len(GRID_LOG2) - 2)
+        w = pos - lo
+        table = self._table
+        for i in np.unique(np.concatenate([lo.ravel(), lo.ravel() + 1])):
+            if table[i] != table[i]:                  # NaN: not computed yet
+                table[i] = self._grid_efficiency(int(i))
+        t = np.asarray(table, dtype=np.float64)
+        return t[lo] * (1 - w) + t[lo + 1] * w
 
     def run_gbps(self, run_bytes) -> np.ndarray:
         return self.bandwidth_gbps * self.run_efficiency(run_bytes)
