@@ -138,6 +138,7 @@ class StepTimer:
         self.kv_gbps = (rate_table(d.engine_run_gbps) if d.engine_run_gbps
                         else setup.timing.run_gbps)
         self._runs_memo: dict = {}         # a paged run's read (seconds, B/s) by its tokens
+        self._extent_gbps: dict = {}       # an extent run's GB/s by its bytes
         self.sums = [0.0, 0.0, 0.0, 0.0]   # over running requests: a, slope, ab, sb
         self.floor_margin = math.inf       # min over steps of step seconds / (bytes / peak)
         self.compute_margin = math.inf     # min over steps of step seconds / (FLOPs / peak)
@@ -238,11 +239,17 @@ class StepTimer:
         the chord of its read time from now to full, exact at both ends, where a slope at its
         current fill (a fresh extent holds one token: runs of head_dim x 2 B) would overstate the
         whole extent's cost until the next event."""
-        gbps = self.kv_gbps
+        gbps, memo = self.kv_gbps, self._extent_gbps
+
+        def rate(run):         # GB/s of a run of `run` bytes (one interpolation per size)
+            got = memo.get(run)
+            if got is None:
+                got = memo[run] = float(gbps(run))
+            return got
 
         def read(tokens):      # seconds of the n runs of `tokens` tokens each
             run = tokens * unit
-            return n * run / (float(gbps(run)) * 1e9)
+            return n * run / (rate(run) * 1e9)
 
         secs = 0.0
         start = last_fill = last_cap = 0
@@ -256,7 +263,7 @@ class StepTimer:
         if last_cap > last_fill:
             return secs, (read(last_cap) - read(last_fill)) / (last_cap - last_fill)
         # the last extent is full: the next step outgrows it, and the line is re-read then
-        return secs, n * unit / (float(gbps(max(last_fill, 1) * unit)) * 1e9)
+        return secs, n * unit / (rate(max(last_fill, 1) * unit) * 1e9)
 
     def add(self, r, sign: int) -> None:
         """Count a running request's line in the batch's sums (sign +1), or take it out (-1)."""
