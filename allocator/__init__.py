@@ -10,8 +10,8 @@
 Every allocator implements the KVAllocator protocol (kv.py). pool.py holds the device pool and
 what every allocator shares; contiguous.py the contiguous-block pool; policies.py the ODMA,
 static, S3 and oracle policies; paged.py vLLM-style paging; tlsf.py the free-space manager;
-buckets.py the bucket rules; replay.py `odma-hw replay`; prefix/ the tiered prefix cache;
-serving/ `odma-hw simulate` and `odma-hw workload`.
+buckets.py the bucket rules; replay.py `odma-hw replay` (replay_events.py its event loop);
+prefix/ the tiered prefix cache; serving/ `odma-hw simulate` and `odma-hw workload`.
 """
 
 from allocator.buckets import QuantileBuckets, equal_width_bounds

@@ -13,7 +13,7 @@ import numba
 import numpy as np
 import pytest
 
-from odma_hw.emu import engine as E
+from odma_hw.emu import engine, state
 from odma_hw.emu import simulate
 from odma_hw.emu.mapping import address_map, decompose
 from odma_hw.emu.model import _options
@@ -25,7 +25,7 @@ def _one_channel_arrays(n):
     dev = device_spec("lpddr5-6400")
     tr = generate("rand", n, 64, footprint=dev.total_bytes, burst=32)
     arrays = decompose(address_map(dev), tr.addr, tr.size, tr.write)
-    tp = E.pack(derive(dev.channel))
+    tp = state.pack(derive(dev.channel))
     opt = _options(dev, "allbank", "open", "frfcfs", 32, False)
     return tp, opt, arrays
 
@@ -40,9 +40,9 @@ def test_engine_one_channel_random_64B(benchmark, timings, slices):
     budget = None if slices == "sliced" else 1 << 62
 
     def run():
-        stats = np.zeros((1, E.N_S), np.int64)
-        hist = np.zeros((1, E.HIST_BINS), np.int64)
-        E.run(tp, opt, offsets, bank, row, bursts, wr, stats, hist, budget=budget)
+        stats = np.zeros((1, state.N_S), np.int64)
+        hist = np.zeros((1, state.HIST_BINS), np.int64)
+        engine.run(tp, opt, offsets, bank, row, bursts, wr, stats, hist, budget=budget)
         return stats[0]
 
     run()  # JIT / cache load
@@ -50,7 +50,7 @@ def test_engine_one_channel_random_64B(benchmark, timings, slices):
     benchmark.extra_info["requests"] = n
     if timings():
         benchmark.extra_info["requests_per_second"] = n / timings().min
-    benchmark.extra_info["efficiency"] = n * 64 / (stats[E.S.end] * 1.25) / 12.8
+    benchmark.extra_info["efficiency"] = n * 64 / (stats[state.S.end] * 1.25) / 12.8
 
 
 def test_simulate_one_channel_random_64B(benchmark):

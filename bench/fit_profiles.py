@@ -24,7 +24,7 @@ import sys
 
 import numpy as np
 
-from allocator.serving.cli import simulate
+from allocator.serving.simulation import simulate
 from allocator.serving.profiles import (engine_profile, load_profile, model_path,
                                         profile_names)
 from allocator.trace import RequestTrace

@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-from allocator.serving.cli import simulate
+from allocator.serving.simulation import simulate
 from allocator.serving.engine import PrefixSettings
 from allocator.serving.presets import model_spec
 from allocator.serving.timing import EmuSettings

@@ -11,7 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from allocator import AllocatorConfig, PagedAllocator, RacmAllocator, StaleBlock  # noqa: E402
-from allocator.serving import live  # noqa: E402
+from allocator.serving import live, live_attention  # noqa: E402
 from allocator.serving.presets import ModelSpec  # noqa: E402
 from odma_hw import devices  # noqa: E402
 from odma_hw.errors import BadArgument  # noqa: E402
@@ -85,13 +85,13 @@ def paged_blocks(dev, contexts, page_tokens):
 TOL = dict(rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("piece_elements", [live.PIECE_ELEMENTS, 64])
+@pytest.mark.parametrize("piece_elements", [live_attention.PIECE_ELEMENTS, 64])
 @pytest.mark.parametrize("page_tokens", [16, 32, 128])
-@pytest.mark.parametrize("layout", live.PAGED_LAYOUTS)
+@pytest.mark.parametrize("layout", live_attention.PAGED_LAYOUTS)
 def test_paged_layouts_read_the_same_kv_as_contiguous_blocks(dev, layout, page_tokens,
                                                              piece_elements, monkeypatch):
     # small pieces: every run and page is gathered as several consecutive pieces
-    monkeypatch.setattr(live, "PIECE_ELEMENTS", piece_elements)
+    monkeypatch.setattr(live_attention, "PIECE_ELEMENTS", piece_elements)
     # partial last pages, one token, whole pages; 1536 tokens x head_dim 16 is read in pieces
     contexts = [37, 5, 1536, 1, 128, 17]
     kv = random_kv(contexts, seed=page_tokens)
@@ -99,16 +99,16 @@ def test_paged_layouts_read_the_same_kv_as_contiguous_blocks(dev, layout, page_t
     calloc, cblocks = contiguous_batch(dev, contexts)
     palloc, pblocks = paged_blocks(dev, contexts, page_tokens)
     assert max(b.segments for b in pblocks) > 1  # the pages really are scattered
-    contiguous = live.ContiguousKV(calloc, TINY, cblocks)
-    paged = live.PagedKV(palloc, TINY, pblocks, layout)
+    contiguous = live_attention.ContiguousKV(calloc, TINY, cblocks)
+    paged = live_attention.PagedKV(palloc, TINY, pblocks, layout)
     for layer in range(TINY.layers):
         for i in range(len(contexts)):
             contiguous.write(i, layer, *kv[layer][i])
             paged.write(i, layer, *kv[layer][i])
     for layer in range(TINY.layers):
         want = reference(q, kv, layer)
-        got_contiguous = live.decode_attention(q, contiguous, layer)
-        got_paged = live.decode_attention(q, paged, layer)
+        got_contiguous = live_attention.decode_attention(q, contiguous, layer)
+        got_paged = live_attention.decode_attention(q, paged, layer)
         assert got_paged.dtype == torch.float32 and got_paged.shape == q.shape
         torch.testing.assert_close(got_paged, got_contiguous, **TOL)
         torch.testing.assert_close(got_contiguous.double(), want, **TOL)
@@ -119,14 +119,14 @@ def test_paged_layouts_read_the_same_kv_as_contiguous_blocks(dev, layout, page_t
 def test_layer_caches_are_vllm_shaped_views_of_the_pool(dev):
     alloc = PagedAllocator(dev, 1 << 20, TINY.kv_bytes_per_token, 64, page_tokens=16)
     P = alloc.n_pages
-    shapes = {lay: [tuple(t.shape) for t in live.layer_caches(alloc, TINY, lay)[0]]
-              for lay in live.PAGED_LAYOUTS}
+    shapes = {lay: [tuple(t.shape) for t in live_attention.layer_caches(alloc, TINY, lay)[0]]
+              for lay in live_attention.PAGED_LAYOUTS}
     assert shapes == {"nhd": [(P, 16, 2, 16)] * 2,
                       "hnd": [(P, 2, 16, 16)] * 2,
                       "v06": [(P, 2, 2, 16, 8), (P, 2, 16, 16)]}
     raw = alloc.pool_tensor()
     raw.zero_()
-    k1, _ = live.layer_caches(alloc, TINY, "nhd")[1]
+    k1, _ = live_attention.layer_caches(alloc, TINY, "nhd")[1]
     k1.fill_(3.0)                               # layer 1's keys live after all of layer 0
     per_layer_bytes = alloc.pool_bytes // TINY.layers
     assert raw[:per_layer_bytes].view(torch.bfloat16).eq(3.0).sum() == 0
@@ -145,25 +145,25 @@ def test_a_short_request_at_the_end_of_the_pool_reads_only_its_own_tokens(dev, l
     assert blocks[1].offset + blocks[1].nbytes == alloc.pool_bytes
     kv = random_kv(contexts, seed=3)
     q = query(2, seed=4)
-    batch = live.ContiguousKV(alloc, TINY, blocks)
+    batch = live_attention.ContiguousKV(alloc, TINY, blocks)
     for layer in range(TINY.layers):
         for i in range(2):
             batch.write(i, layer, *kv[layer][i])
     for layer in range(TINY.layers):
-        torch.testing.assert_close(live.decode_attention(q, batch, layer).double(),
+        torch.testing.assert_close(live_attention.decode_attention(q, batch, layer).double(),
                                    reference(q, kv, layer), **TOL)
     alloc.close()
 
 
 def test_decode_attention_refuses_a_mismatched_query_or_layer(dev):
     alloc, blocks = contiguous_batch(dev, [8, 9])
-    batch = live.ContiguousKV(alloc, TINY, blocks)
+    batch = live_attention.ContiguousKV(alloc, TINY, blocks)
     with pytest.raises(BadArgument, match="q must be"):
-        live.decode_attention(torch.zeros(3, TINY.heads, TINY.head_dim), batch, 0)
+        live_attention.decode_attention(torch.zeros(3, TINY.heads, TINY.head_dim), batch, 0)
     with pytest.raises(BadArgument, match="layer 2"):
-        live.decode_attention(torch.zeros(2, TINY.heads, TINY.head_dim), batch, 2)
+        live_attention.decode_attention(torch.zeros(2, TINY.heads, TINY.head_dim), batch, 2)
     with pytest.raises(BadArgument, match="ContiguousKV or PagedKV"):
-        live.decode_attention(torch.zeros(2, TINY.heads, TINY.head_dim), object(), 0)
+        live_attention.decode_attention(torch.zeros(2, TINY.heads, TINY.head_dim), object(), 0)
     alloc.close()
 
 
@@ -171,24 +171,24 @@ def test_kv_batches_refuse_allocators_that_cannot_hold_the_model(dev):
     accounting = RacmAllocator(None, 1 << 20, TINY.kv_bytes_per_token, 64, CONFIG)
     blk = accounting.reserve(0, 8, 1)
     with pytest.raises(BadArgument, match="torch device"):
-        live.ContiguousKV(accounting, TINY, [blk])
+        live_attention.ContiguousKV(accounting, TINY, [blk])
     wrong = RacmAllocator(dev, 1 << 20, TINY.kv_bytes_per_token + 2, 64, CONFIG)
     with pytest.raises(BadArgument, match="B per token"):
-        live.ContiguousKV(wrong, TINY, [wrong.reserve(0, 8, 1)])
+        live_attention.ContiguousKV(wrong, TINY, [wrong.reserve(0, 8, 1)])
     alloc, blocks = contiguous_batch(dev, [8, 9])
     alloc.release(1)
     with pytest.raises(StaleBlock):
-        live.ContiguousKV(alloc, TINY, blocks)
+        live_attention.ContiguousKV(alloc, TINY, blocks)
     blocks = blocks[:1]
     with pytest.raises(BadArgument, match="exceeds"):
-        live.ContiguousKV(alloc, TINY, blocks, contexts=[blocks[0].capacity_tokens + 1])
+        live_attention.ContiguousKV(alloc, TINY, blocks, contexts=[blocks[0].capacity_tokens + 1])
     with pytest.raises(BadArgument, match="PagedAllocator"):
-        live.PagedKV(alloc, TINY, blocks, "nhd")
+        live_attention.PagedKV(alloc, TINY, blocks, "nhd")
     paged = PagedAllocator(dev, 1 << 20, TINY.kv_bytes_per_token, 64, page_tokens=16)
     with pytest.raises(BadArgument, match="unknown paged layout"):
-        live.PagedKV(paged, TINY, [paged.reserve(0, 8)], "nchw")
+        live_attention.PagedKV(paged, TINY, [paged.reserve(0, 8)], "nchw")
     with pytest.raises(BadArgument, match="ContiguousPool"):
-        live.ContiguousKV(paged, TINY, [paged.block(0)])
+        live_attention.ContiguousKV(paged, TINY, [paged.block(0)])
     for a in (accounting, wrong, alloc, paged):
         a.close()
 
@@ -207,8 +207,8 @@ def test_measure_attention_times_every_layout_against_contiguous():
     m = live.measure_attention("torch:cpu", TINY, batch=3, context=40, page_tokens=16, reps=1,
                                layers=1)
     assert (m["batch"], m["context"], m["layers"], m["page_tokens"]) == (3, 40, 1, 16)
-    assert set(m["seconds"]) == set(m["gather_seconds"]) == set(live.LAYOUTS)
-    assert set(m["ratio_to_contiguous"]) == set(live.PAGED_LAYOUTS)
+    assert set(m["seconds"]) == set(m["gather_seconds"]) == set(live_attention.LAYOUTS)
+    assert set(m["ratio_to_contiguous"]) == set(live_attention.PAGED_LAYOUTS)
     assert all(s > 0 for s in m["seconds"].values())
     assert m["kv_bytes"] == 3 * 40 * 2 * 1 * TINY.kv_heads * TINY.head_dim * 2
     assert m["paged_segments_mean"] > 1        # 3 pages per request, scattered

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from odma_hw.emu import derive, device_spec, simulate
 from odma_hw.emu.checker import check
-from odma_hw.emu.engine import C_ACT1, C_CAS, C_RD, C_REFAB
+from odma_hw.emu.state import C_ACT1, C_CAS, C_RD, C_REFAB
 
 PRESETS = ["lpddr5-6400", "lpddr5-5500", "lpddr5-3200", "lpddr5-6400-8b", "lpddr5x-8533",
            "lpddr4-4266", "hbm2-2000", "ddr5-3200"]

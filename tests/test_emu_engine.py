@@ -8,7 +8,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from odma_hw.emu import engine as E
+from odma_hw.emu import engine, state
 from odma_hw.emu import mapping, simulate
 from odma_hw.emu.mapping import address_map, decompose
 from odma_hw.emu.model import _options
@@ -24,15 +24,15 @@ def _prepared(spec, pattern, requests, *, bl=None, write_ratio=0.3, refresh="all
                   write_ratio=write_ratio, seed=seed)
     arrays = decompose(address_map(dev), tr.addr, tr.size, tr.write)
     opt = _options(dev, refresh, page, scheduler, queue, False, queue_unit=queue_unit)
-    return E.pack(derive(dev.channel)), opt, arrays, dev.channels
+    return state.pack(derive(dev.channel)), opt, arrays, dev.channels
 
 
 def _run(prepared, budget, record=0):
     tp, opt, (offsets, bank, row, bursts, wr), nch = prepared
-    stats = np.zeros((nch, E.N_S), np.int64)
-    hist = np.zeros((nch, E.HIST_BINS), np.int64)
-    log = np.zeros((record, E.LOG_COLS), np.int64) if record else None
-    states = E.run(tp, opt, offsets, bank, row, bursts, wr, stats, hist, log, budget=budget)
+    stats = np.zeros((nch, state.N_S), np.int64)
+    hist = np.zeros((nch, state.HIST_BINS), np.int64)
+    log = np.zeros((record, state.LOG_COLS), np.int64) if record else None
+    states = engine.run(tp, opt, offsets, bank, row, bursts, wr, stats, hist, log, budget=budget)
     assert states.done
     return stats, hist, log
 
@@ -56,14 +56,14 @@ def test_a_run_cut_into_tiny_slices_equals_one_slice(case):
         for a, b in zip(whole, sliced):
             if a is not None:
                 np.testing.assert_array_equal(a, b)
-    assert whole[0][:, E.S.end].min() > 0
+    assert whole[0][:, state.S.end].min() > 0
 
 
 def test_recorded_command_logs_do_not_depend_on_slicing():
     prepared = _prepared("lpddr5-6400", "rand", 3000, refresh="perbank")
     whole = _run(prepared, budget=1 << 40, record=50_000)
     sliced = _run(prepared, budget=5, record=50_000)
-    assert whole[0][0, E.S.logged] > 10_000
+    assert whole[0][0, state.S.logged] > 10_000
     for a, b in zip(whole, sliced):
         np.testing.assert_array_equal(a, b)
 
@@ -88,16 +88,16 @@ def test_index_tables_come_from_one_list_of_names_each():
     # the timing array follows specs.Derived field by field
     assert T_NAMES == tuple(f.name for f in dataclasses.fields(Derived))
     d = derive(device_spec("lpddr5-6400").channel)
-    tp = E.pack(d)
+    tp = state.pack(d)
     for name in T_NAMES:
-        assert tp[getattr(E.T, name)] == getattr(d, name)
+        assert tp[getattr(state.T, name)] == getattr(d, name)
     # every table numbers its names 0, 1, 2, ... in order, and its size is its length
-    for table, size in ((E.T, E.N_T), (E.S, E.N_S), (E.O, E.N_O)):
+    for table, size in ((state.T, state.N_T), (state.S, state.N_S), (state.O, state.N_O)):
         assert list(table) == list(range(size))
         assert len(set(table._fields)) == size
 
 
-T_NAMES = E.T._fields
+T_NAMES = state.T._fields
 
 
 def test_decomposition_in_chunks_equals_one_piece(monkeypatch):
@@ -132,7 +132,7 @@ def _switches(**kw):
     """Read/write turnarounds in the command stream of a mixed run."""
     s = simulate("lpddr5-6400", "rand", 64, 4000, write_ratio=0.4, refresh="none",
                  record=100_000, **kw)
-    col = s.log[np.isin(s.log[:, 1], (E.C_RD, E.C_WR)), 1]
+    col = s.log[np.isin(s.log[:, 1], (state.C_RD, state.C_WR)), 1]
     return int((col[1:] != col[:-1]).sum()), s.efficiency
 
 
@@ -149,9 +149,9 @@ def test_watermarks_are_strict_fractions_of_the_write_queue():
     dev = device_spec("lpddr5-6400")
     # drain from more than 0.8 x 10 = 8 queued writes down to fewer than 0.2 x 10 = 2
     o = _options(dev, "allbank", "open", "frfcfs", 10, False, write_high=0.8, write_low=0.2)
-    assert (o[E.O.write_high], o[E.O.write_low]) == (9, 1)
+    assert (o[state.O.write_high], o[state.O.write_low]) == (9, 1)
     o = _options(dev, "allbank", "open", "frfcfs", 32, False)  # the default: 26 and 6 of 32
-    assert (o[E.O.write_high], o[E.O.write_low]) == (26, 6)
+    assert (o[state.O.write_high], o[state.O.write_low]) == (26, 6)
 
 
 @pytest.mark.parametrize("kw,match", [

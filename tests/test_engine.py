@@ -242,9 +242,9 @@ def test_a_busy_host_is_said_beside_the_run_it_slowed(tmp_path, capsys, monkeypa
     """The engine's times are the host's as much as the device's: when other processes took
     more than a small share of the CPUs during a policy's run, one warning line says so, and
     the JSON row carries the share (None where /proc/stat cannot tell)."""
-    from allocator.serving.calibration import measure
+    from allocator.serving import engine_cli
 
-    monkeypatch.setattr(measure.OtherLoad, "share", lambda self: share)
+    monkeypatch.setattr(engine_cli, "OtherLoad", type("Load", (), {"share": lambda self: share}))
     trace = tmp_path / "t.csv"
     trace.write_text("num_prefill_tokens,num_decode_tokens\n5,2\n7,3\n")
     assert main(["engine", "--trace", str(trace), "--model", "tiny-llama", "--kv-pool-mb",
@@ -254,7 +254,7 @@ def test_a_busy_host_is_said_beside_the_run_it_slowed(tmp_path, capsys, monkeypa
     warned = [line for line in out.err.splitlines() if "busy host" in line]
     assert len(warned) == (1 if share == 0.6 else 0)
     if warned:
-        assert "60% of the CPUs during odma's run" in warned[0]
+        assert "warning: other processes took 60% of the CPUs during odma's run" in warned[0]
 
 
 def test_engine_serves_extents_with_the_knee_of_a_card(tmp_path, capsys):

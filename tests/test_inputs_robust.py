@@ -199,11 +199,11 @@ def test_a_bucket_count_no_refresh_could_learn_is_refused_at_once():
 
 
 def test_simulate_refuses_too_many_buckets_before_any_work(tmp_path, capsys, monkeypatch):
-    import allocator.serving.cli as serving_cli
+    import allocator.serving.simulate_cli as simulate_cli
 
     def must_not_run(*a, **k):
         raise AssertionError("the simulation started before --buckets was checked")
-    monkeypatch.setattr(serving_cli, "simulate", must_not_run)
+    monkeypatch.setattr(simulate_cli, "simulate", must_not_run)
     path = tmp_path / "t.csv"
     path.write_text("num_prefill_tokens,num_decode_tokens\n10,20\n")
     assert exit_code(["simulate", "--trace", str(path), "--buckets", "100000000"]) == 2

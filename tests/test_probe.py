@@ -16,8 +16,9 @@ from odma_hw.devices import host as host_backend
 from odma_hw.devices.base import Device, DeviceInfo, Measurement
 from odma_hw.errors import BadArgument
 from odma_hw.commands import model_head_dim
-from odma_hw.probe import (KVRun, classify, format_table, knee, parse_granularities, plan_probe,
-                           probe_device, ratio_at)
+from odma_hw.probe.cli import format_table
+from odma_hw.probe.measure import classify, plan_probe, probe_device
+from odma_hw.probe.runs import KVRun, knee, parse_granularities, ratio_at
 
 MIB = 1 << 20
 

@@ -13,7 +13,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from allocator.serving.cli import format_table, plot, simulate
+from allocator.serving.simulate_report import format_table, plot
+from allocator.serving.simulation import simulate
 from allocator.serving.engine import ServingSetup, run_policy
 from allocator.serving.presets import accelerator, model_spec
 from allocator.serving.timing import EmuSettings, EmuTiming, MeasuredTiming, probe_timing
@@ -436,16 +437,16 @@ def test_an_unknown_timing_source_is_refused_in_one_line(small_trace, capsys):
 
 # ------------------------------------------------------------------------ nothing lost
 def _fail_paged(monkeypatch, exc):
-    from allocator.serving import cli as sim_cli
+    from allocator.serving import simulation
 
-    real = sim_cli.run_policy
+    real = simulation.run_policy
 
     def run_policy(trace, arrivals, policy, *args, **kwargs):
         if policy == "paged":
             raise exc
         return real(trace, arrivals, policy, *args, **kwargs)
 
-    monkeypatch.setattr(sim_cli, "run_policy", run_policy)
+    monkeypatch.setattr(simulation, "run_policy", run_policy)
 
 
 def test_one_failed_run_keeps_the_others_results_and_exits_3(small_trace, capsys, monkeypatch):
@@ -541,7 +542,7 @@ def test_check_only_makes_every_check_before_the_work(small_trace, tmp_path, mon
     emulator run for the values that pass."""
     from odma_hw.cli import build_parser
     from odma_hw.errors import OdmaError
-    from allocator.serving.cli import compute
+    from allocator.serving.simulate_cli import compute
 
     monkeypatch.setenv("ODMA_CACHE_DIR", str(tmp_path / "fresh-cache"))
     parse = build_parser().parse_args

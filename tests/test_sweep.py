@@ -284,8 +284,8 @@ def test_a_million_cell_grid_is_checked_per_axis_value_not_per_cell(tmp_path, mo
     grid = sweep.load_grid(_million_cell_grid(tmp_path / "big.toml"))
     parser = sweep.command_parser(registry()["emulate"], "emulate")
     calls = collections.Counter()
-    # the checks run in sweep.grid, which reads its own _verdict
-    parse, verdict = parser.parse_args, sweep.grid._verdict
+    # the checks run in sweep.cells, which reads its own _verdict
+    parse, verdict = parser.parse_args, sweep.cells._verdict
 
     def counted_parse(argv):
         calls["parse"] += 1
@@ -296,7 +296,7 @@ def test_a_million_cell_grid_is_checked_per_axis_value_not_per_cell(tmp_path, mo
         calls[check.key] += 1
         return verdict(check, args)
     monkeypatch.setattr(parser, "parse_args", counted_parse)
-    monkeypatch.setattr(sweep.grid, "_verdict", counted_verdict)
+    monkeypatch.setattr(sweep.cells, "_verdict", counted_verdict)
     cells = sweep.plan(grid).cells
     assert len(cells) == 10 ** 6
     # a value check runs once per distinct value of what it reads

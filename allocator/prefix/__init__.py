@@ -7,12 +7,12 @@
     covered, seconds = cache.restore(key, block, n)   # before prefill: skip `covered` tokens
     seconds = cache.offer(key, block, n)              # after the request computed them
 
-cache.py holds PrefixCache (its public calls, construction, reporting, lifetime), made of:
+cache.py holds PrefixCache (its public calls, construction, invariants, lifetime), made of:
 index.py the keys, entries and the index; tiers.py the tiers' space, eviction and moves between
 tiers; transfer.py the checked byte moves and their seconds (TierBandwidth); promotion.py the
-promotion worker and prefetch. Beneath them: kernels.py the copy-and-checksum kernels; memory.py
-where tier bytes live and how they move between devices; disk.py the file format; order.py the
-eviction orders.
+promotion worker and prefetch; counters.py the counters and stats(). Beneath them: kernels.py
+the copy-and-checksum kernels; memory.py where tier bytes live and how they move between
+devices; disk.py the file format; order.py the eviction orders.
 """
 
 from allocator.prefix.cache import (DROP_REASONS, EVICTIONS, POOL_ALIGNMENT, TIERS, PrefixCache,

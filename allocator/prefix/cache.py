@@ -44,13 +44,13 @@ background promotions to finish, so a single-threaded caller sees exactly the de
 accounting mode makes.
 
 PrefixCache is assembled from mixins that share its state: EntryIndex (index.py), TierSpace
-(tiers.py), Transfers (transfer.py) and Promotions (promotion.py). This module holds the public
-calls, construction, reporting and lifetime.
+(tiers.py), Transfers (transfer.py), Promotions (promotion.py) and CacheCounters (counters.py:
+the counters and stats()). This module holds the public calls, construction, the invariants'
+check and lifetime.
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import itertools
 import random
@@ -64,6 +64,7 @@ from allocator.contiguous import Block
 from allocator.errors import AllocatorClosed, require
 from allocator.pool import resolve_device
 from allocator.prefix import disk
+from allocator.prefix.counters import CacheCounters
 from allocator.prefix.index import DROP_REASONS, Entry, EntryIndex, prefix_key
 from allocator.prefix.memory import move, tier_devices
 from allocator.prefix.order import EVICTIONS, TierOrder
@@ -84,6 +85,34 @@ def _byte_count(name: str, v, positive: bool = False) -> int:
     return v
 
 
+def _checked_arguments(device, bytes_per_token, device_bytes, host_bytes, disk_bytes, disk_dir,
+                       eviction, seed, verify, bandwidth) -> tuple[int, dict, int]:
+    """(bytes per token, capacity by tier, seed) of PrefixCache's arguments, each checked
+    (BadArgument for the first that is amiss) before anything is opened or allocated."""
+    bytes_per_token = _byte_count("bytes_per_token", bytes_per_token, positive=True)
+    capacity = {"device": _byte_count("device_bytes", device_bytes),
+                "host": _byte_count("host_bytes", host_bytes),
+                "disk": _byte_count("disk_bytes", disk_bytes)}
+    if eviction not in EVICTIONS:
+        raise BadArgument(f"unknown eviction {eviction!r}: expected one of "
+                          f"{', '.join(EVICTIONS)}")
+    seed = count("seed", seed)
+    if not isinstance(verify, bool):
+        raise BadArgument(f"verify must be True or False, got {verify!r}")
+    if bandwidth is not None and not isinstance(bandwidth, TierBandwidth):
+        raise BadArgument(f"bandwidth must be a TierBandwidth, got {bandwidth!r}")
+    if device is None:
+        if bandwidth is None:
+            raise BadArgument("accounting mode (device=None) models seconds: pass "
+                              "bandwidth=TierBandwidth(...)")
+        if disk_dir is not None:
+            raise BadArgument("accounting mode (device=None) stores no bytes: disk_dir "
+                              "must be None")
+    elif capacity["disk"] and disk_dir is None:
+        raise BadArgument("a disk tier (disk_bytes > 0) needs disk_dir")
+    return bytes_per_token, capacity, seed
+
+
 def _release(queue: PromotionQueue, pools: dict, owned: list) -> None:
     """Stop the promotion worker, free the device and host tiers' memory, close the devices the
     cache opened: close() calls it, and so does the garbage collector for a cache dropped without
@@ -99,7 +128,7 @@ def _release(queue: PromotionQueue, pools: dict, owned: list) -> None:
             owned.pop().close()
 
 
-class PrefixCache(EntryIndex, TierSpace, Transfers, Promotions):
+class PrefixCache(EntryIndex, TierSpace, Transfers, Promotions, CacheCounters):
     """A tiered prefix cache of contiguous KV blocks (see the module docstring).
 
     device: the serving Device, a spec string (opened and closed by the cache), or None for
@@ -112,27 +141,9 @@ class PrefixCache(EntryIndex, TierSpace, Transfers, Promotions):
                  host_bytes: int = 0, disk_bytes: int = 0, disk_dir: str | None = None,
                  eviction: str = "lru", seed: int = 0, verify: bool = True,
                  bandwidth: TierBandwidth | None = None):
-        self.bytes_per_token = _byte_count("bytes_per_token", bytes_per_token, positive=True)
-        capacity = {"device": _byte_count("device_bytes", device_bytes),
-                    "host": _byte_count("host_bytes", host_bytes),
-                    "disk": _byte_count("disk_bytes", disk_bytes)}
-        if eviction not in EVICTIONS:
-            raise BadArgument(f"unknown eviction {eviction!r}: expected one of "
-                              f"{', '.join(EVICTIONS)}")
-        seed = count("seed", seed)
-        if not isinstance(verify, bool):
-            raise BadArgument(f"verify must be True or False, got {verify!r}")
-        if bandwidth is not None and not isinstance(bandwidth, TierBandwidth):
-            raise BadArgument(f"bandwidth must be a TierBandwidth, got {bandwidth!r}")
-        if device is None:
-            if bandwidth is None:
-                raise BadArgument("accounting mode (device=None) models seconds: pass "
-                                  "bandwidth=TierBandwidth(...)")
-            if disk_dir is not None:
-                raise BadArgument("accounting mode (device=None) stores no bytes: disk_dir "
-                                  "must be None")
-        elif capacity["disk"] and disk_dir is None:
-            raise BadArgument("a disk tier (disk_bytes > 0) needs disk_dir")
+        self.bytes_per_token, capacity, seed = _checked_arguments(
+            device, bytes_per_token, device_bytes, host_bytes, disk_bytes, disk_dir, eviction,
+            seed, verify, bandwidth)
         self.eviction = eviction
         self.verify = verify
         self.capacity = capacity
@@ -176,18 +187,7 @@ class PrefixCache(EntryIndex, TierSpace, Transfers, Promotions):
         self._eids = itertools.count(1)
         self._disk_used = 0
         self._active = 0                          # public calls running
-        self.hits = dict.fromkeys(TIERS, 0)
-        self.misses = 0
-        self.covered_tokens = 0
-        self.evictions = dict.fromkeys(TIERS, 0)
-        self.drops = dict.fromkeys(DROP_REASONS, 0)
-        self.moved_bytes: dict = collections.defaultdict(int)
-        self.moved_seconds: dict = collections.defaultdict(float)
-        self.background_seconds = 0.0
-        self.offers = 0
-        self.promotions = 0
-        self.prefetched = 0
-        self.reindexed = 0
+        self._start_counting()
         self._closed = False
         if self._disk_dir is not None and capacity["disk"]:
             try:
@@ -410,52 +410,7 @@ class PrefixCache(EntryIndex, TierSpace, Transfers, Promotions):
                     freed += v.size
                 self._demote(v, frozenset())
 
-    # -- reporting ---------------------------------------------------------------------------------
-    def stats(self) -> dict:
-        """Counters and occupancy: hits per tier (restores served from it), misses, hit rates
-        (over restores), bytes and seconds moved per pair ("device->host", "host->request", ...:
-        "request" is a request's block), evictions per tier, drops by reason, entries, payload
-        bytes and reserved bytes per tier, capacities."""
-        self._drain()
-        with self._queue.cond:
-            background_errors = list(self._queue.errors)
-        with self._lock:
-            entries = dict.fromkeys(TIERS, 0)
-            payload = dict.fromkeys(TIERS, 0)
-            reserved = dict.fromkeys(TIERS, 0)
-            for e in self._index.values():
-                entries[e.tier] += 1
-                payload[e.tier] += e.nbytes
-                reserved[e.tier] += e.size
-            restores = sum(self.hits.values()) + self.misses
-            return {
-                "device": None if self.device is None else self.device.spec,
-                "host_memory": None if self._host_device is None else self._host_device.spec,
-                "disk_dir": self._disk_dir,
-                "bytes_per_token": self.bytes_per_token,
-                "eviction": self.eviction,
-                "verify": self.verify,
-                "capacity_bytes": dict(self.capacity),
-                "entries": entries,
-                "bytes": payload,
-                "reserved_bytes": reserved,
-                "restores": restores,
-                "hits": dict(self.hits),
-                "misses": self.misses,
-                "hit_rate": {t: (self.hits[t] / restores if restores else None) for t in TIERS},
-                "covered_tokens": self.covered_tokens,
-                "offers": self.offers,
-                "promotions": self.promotions,
-                "prefetched": self.prefetched,
-                "evictions": dict(self.evictions),
-                "drops": dict(self.drops),
-                "moved_bytes": dict(self.moved_bytes),
-                "moved_seconds": dict(self.moved_seconds),
-                "background_seconds": self.background_seconds,
-                "background_errors": background_errors,
-                "reindexed": self.reindexed,
-            }
-
+    # -- invariants --------------------------------------------------------------------------------
     def check(self) -> None:
         """Verify the invariants (InvariantBroken if one fails): every indexed entry is in
         exactly its tier's order and holds its tier's storage (EntryIndex._check_entry,

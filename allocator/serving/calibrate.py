@@ -54,8 +54,9 @@ import time
 from odma_hw.errors import BadArgument
 
 from allocator.serving.calibration import engine_steps, fit
-from allocator.serving.calibration.cardfile import (card_json, card_paths, card_text,
-                                                    check_card, probe_document)
+from allocator.serving.calibration.cardfile import (byte_text, card_contents, card_json,
+                                                    card_paths, card_text, check_card,
+                                                    probe_document)
 from allocator.serving.calibration.measure import (BUSY_OTHER_SHARE, FULL, MEMORY_MODES, QUICK,
                                                    TORCH_SOURCE, OtherLoad, disturbed,
                                                    engine_dtype, matmul_bytes, matmul_tflops,
@@ -64,10 +65,6 @@ from allocator.serving.calibration.measure import (BUSY_OTHER_SHARE, FULL, MEMOR
 
 SCHEMA = "odma-hw.calibrate/1"
 MAX_PREFILL_TOKENS = 65536             # a longer prompt is a chunked prefill's business
-# Placeholders for what one device cannot measure: PCIe 4.0 x16 per direction, and the
-# per-hop latency the shipped mlu370-x4 card assumes. They matter only for simulate --tp > 1.
-LINK_GBPS_PLACEHOLDER = 32.0
-LINK_LATENCY_US_PLACEHOLDER = 10.0
 
 
 # ----------------------------------------------------------------------------- the command
@@ -145,7 +142,6 @@ def fit_steps(p: dict, steps: dict, timing, peak: float, matmul: dict, reads: di
 def calibrate(args, progress=None) -> dict:
     """Measure, fit, write the probe file and the card; the result object (SCHEMA)."""
     from allocator.serving.presets import card_is_json
-    from allocator.serving.timing import MeasuredTiming
     from allocator.trace import write_file
 
     started = time.perf_counter()
@@ -153,37 +149,44 @@ def calibrate(args, progress=None) -> dict:
     load_before = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     effort = QUICK if args.quick else FULL
     torch = need_torch()
-    dev, dtype = p["device"], p["dtype"]
     show = progress or (lambda text: None)
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    m = _measure(args, p, effort, torch, show)
+    doc = probe_document(p["device"], m["bw"], effort.run_sizes)
+    measured = doc["devices"][0].get("name")      # the device the card's probe file measured
+    values, comments, header = card_contents(args, p, effort, m, when, measured,
+                                             torch.__version__)
+    text = card_json(values) if card_is_json(p["card"]) else card_text(values, comments, header)
+    check_card(p["card"], text)
+    from odma_hw import jsonout
 
+    # the probe file first: a card never names a file that is not there yet
+    # each written whole, then renamed into place: a failure leaves the old files as they were;
+    # a link at either path is replaced, not followed, so the card's probe:NAME (relative to
+    # the card's folder) names the probe file written beside it
+    probe_text = jsonout.dumps(doc, indent=1) + "\n"
+    write_file(p["probe"], lambda f: f.write(probe_text), "probe file", replace_links=True)
+    write_file(p["card"], lambda f: f.write(text), "card", replace_links=True)
+    return _result(args, p, effort, m, values, load_before, started)
+
+
+def _measure(args, p: dict, effort, torch, show) -> dict:
+    """The five phases (module docstring), each with its progress line, and the overheads
+    fitted on them: what the card and the result are made of."""
+    from allocator.serving.timing import MeasuredTiming
+
+    dev, dtype = p["device"], p["dtype"]
     native = memory_plan(dev["spec"], p["memory"])
     show(f"calibrate {dev['spec']}: bandwidth of random runs of "
-         f"{_bytes(effort.run_sizes[0])} .. {_bytes(effort.run_sizes[-1])}, sequential read, copy"
-         f" ({'the native probe of ' + native if native else TORCH_SOURCE})")
+         f"{byte_text(effort.run_sizes[0])} .. {byte_text(effort.run_sizes[-1])}, sequential "
+         f"read, copy ({'the native probe of ' + native if native else TORCH_SOURCE})")
     other = {}
     load = OtherLoad()
     bw = measure_memory(dev, p["memory"], effort, args.seed, show)
     other["bandwidth"] = load.share()
     timing = MeasuredTiming(f"probe:{dev['spec']}", bw["runs_gbps"], bw["seq_gbps"],
                             bw["copy_gbps"])
-
-    products = p["products"]
-    rows = (args.prefill_tokens,) + tuple(effort.decode_rows)
-    show(f"calibrate {dev['spec']}: matmul {dtype}, the {len(products)} shapes of "
-         f"{args.model}'s layers and LM head, at {args.prefill_tokens} rows (prefill) and "
-         f"{', '.join(map(str, effort.decode_rows))} (decode)")
-    load = OtherLoad()
-    mm, each = {}, {}
-    mm[dtype], each[dtype] = matmul_tflops(torch, dev["device"], getattr(torch, dtype), rows,
-                                           products, effort, args.seed)
-    if dtype != "bfloat16":
-        # a card needs its bf16 peak whatever the engine runs
-        show(f"calibrate {dev['spec']}: matmul bfloat16 at {args.prefill_tokens} rows")
-        mm["bfloat16"], each["bfloat16"] = matmul_tflops(
-            torch, dev["device"], torch.bfloat16, (args.prefill_tokens,), products, effort,
-            args.seed)
-    other["matmul"] = load.share()
+    mm, each, other["matmul"] = _measure_matmul(args, p, effort, torch, show)
     peak = mm[dtype][args.prefill_tokens]
     tflops_bf16 = mm["bfloat16"][args.prefill_tokens]
 
@@ -221,6 +224,39 @@ def calibrate(args, progress=None) -> dict:
     over["step_overhead_us"] += loop["step_s"] * 1e6
     over["request_overhead_us"] += loop["request_s"] * 1e6
     points = steps["decode"]
+    busy, loaded = _disturbances(dev, points, other, show)
+    return {"bw": bw, "timing": timing, "mm": mm, "each": each, "peak": peak,
+            "tflops_bf16": tflops_bf16, "reads": reads, "steps": steps, "fitting": fitting,
+            "over": over, "loop": loop, "other": other, "points": points, "busy": busy,
+            "loaded": loaded}
+
+
+def _measure_matmul(args, p: dict, effort, torch, show) -> tuple[dict, dict, float | None]:
+    """Phase 2: matmul throughput at the engine's dtype (and bfloat16, which every card
+    needs) by rows, over --model's products: ({dtype: {rows: TFLOPS}}, the same by product,
+    the share of the CPUs other processes took meanwhile)."""
+    dev, dtype = p["device"], p["dtype"]
+    products = p["products"]
+    rows = (args.prefill_tokens,) + tuple(effort.decode_rows)
+    show(f"calibrate {dev['spec']}: matmul {dtype}, the {len(products)} shapes of "
+         f"{args.model}'s layers and LM head, at {args.prefill_tokens} rows (prefill) and "
+         f"{', '.join(map(str, effort.decode_rows))} (decode)")
+    load = OtherLoad()
+    mm, each = {}, {}
+    mm[dtype], each[dtype] = matmul_tflops(torch, dev["device"], getattr(torch, dtype), rows,
+                                           products, effort, args.seed)
+    if dtype != "bfloat16":
+        # a card needs its bf16 peak whatever the engine runs
+        show(f"calibrate {dev['spec']}: matmul bfloat16 at {args.prefill_tokens} rows")
+        mm["bfloat16"], each["bfloat16"] = matmul_tflops(
+            torch, dev["device"], torch.bfloat16, (args.prefill_tokens,), products, effort,
+            args.seed)
+    return mm, each, load.share()
+
+
+def _disturbances(dev: dict, points: list, other: dict, show) -> tuple[list, dict]:
+    """(the decode shapes whose steps varied as on a busy machine, the phases during which
+    other processes took more than BUSY_OTHER_SHARE of the CPUs), each warned of."""
     busy = [[q["layers"], q["batch"], q["context"]] for q in disturbed(points)]
     if busy:
         show(f"calibrate {dev['spec']}: warning: the steps of {len(busy)} of {len(points)} "
@@ -230,86 +266,15 @@ def calibrate(args, progress=None) -> dict:
         show(f"calibrate {dev['spec']}: warning: other processes took "
              + ", ".join(f"{v:.0%} of the CPUs during {k}" for k, v in loaded.items())
              + ": calibrate again when nothing else runs")
+    return busy, loaded
 
-    decode = mm[dtype]
-    name = args.name or f"calibrated-{dev['spec'].replace(':', '-')}"
-    probe_name = os.path.basename(p["probe"])
-    source = (
-        f"odma-hw calibrate on {dev['spec']} ({dev['name']}), torch {torch.__version__}, {when}. "
-        f"Bandwidth (memory: {bw['source']}): reads of random runs, sequential read and copy "
-        f"({probe_name}). Matmul {dtype} over {args.model}'s layer and LM-head shapes, each "
-        f"weighed by the time a step spends in it, at {args.prefill_tokens} rows: "
-        f"{peak:.4g} TFLOPS (mfu 1: the engine's matrix products reach this)"
-        + (f"; bfloat16 {tflops_bf16:.4g}" if dtype != "bfloat16" else "")
-        + "; at decode rows " + ", ".join(f"{r}: {decode[r]:.3g}" for r in effort.decode_rows)
-        + f" TFLOPS. The engine's KV reads ({reads['backend']} attention) by run: "
-        + ", ".join(f"{_bytes(b)} {g:.4g}" for b, g in reads["gbps"].items())
-        + f" GB/s. Overheads fitted on the engine's decode steps of {args.model} at "
-        f"{'/'.join(map(str, effort.fit_layers))} layers, batch "
-        f"{'/'.join(map(str, effort.fit_batches))}, contexts "
-        f"{'/'.join(map(str, effort.fit_contexts))}: per step "
-        f"{fitting['step_s'] * 1e6:.4g} us, per layer {fitting['layer_s'] * 1e6:.4g} us, per "
-        f"request {fitting['request_s'] * 1e6:.4g} us, per request per layer "
-        f"{fitting['layer_request_s'] * 1e6:.4g} us; rms relative residual "
-        f"{fitting['rms_relative_residual']:.3f}, max {fitting['max_relative_residual']:.3f}; "
-        f"prefill steps then rms {fitting['prefill']['rms_relative_residual']:.3f}. The "
-        f"serving loop adds {loop['step_s'] * 1e6:.4g} us per step and "
-        f"{loop['request_s'] * 1e6:.4g} us per request (in the card's step and request "
-        f"overheads)"
-        + (f" (WARNING: the steps of {len(busy)} of {len(points)} shapes varied as on a busy "
-           f"machine)" if busy else "")
-        + (" (WARNING: other processes ran during " + ", ".join(loaded) + ")" if loaded else "")
-        + ". link_gbps and link_latency_us are placeholders, not measured."
-        + (" (--quick: fewer repetitions)" if args.quick else ""))
-    doc = probe_document(dev, bw, effort.run_sizes)
-    measured = doc["devices"][0].get("name")      # the device the card's probe file measured
-    values = {"name": name, "bandwidth_gbps": float(bw["seq_gbps"]),
-              "capacity_gb": dev["capacity_bytes"] / 1e9, "tflops_bf16": tflops_bf16}
-    if dtype == "float32":
-        values["tflops_fp32"] = peak
-    values.update({"mfu": 1.0,
-                   "matmul_tflops": {r: mm[dtype][r] for r in sorted(mm[dtype])},
-                   "timing": f"probe:{probe_name}",
-                   **({"engine_run_gbps": dict(reads["gbps"])} if reads["gbps"] else {}),
-                   "link_gbps": LINK_GBPS_PLACEHOLDER,
-                   "link_latency_us": LINK_LATENCY_US_PLACEHOLDER,
-                   **over, **({"device_name": measured} if measured else {}),
-                   "source": source})
-    comments = {
-        "bandwidth_gbps": [f"sequential read, GB/s (1e9 B/s); memory figures: {bw['source']}"],
-        "capacity_gb": ["the device's whole memory, GB" + (" (host memory)" if
-                                                          dev["device"].type == "cpu" else "")],
-        "tflops_bf16": [f"matmul throughput of {args.model}'s products at "
-                        f"{args.prefill_tokens} rows, TFLOPS"],
-        "mfu": ["the figures above are what the engine's matmuls reach, not a datasheet peak"],
-        "matmul_tflops": [f"{dtype} matmul throughput by rows (tokens) in the products, TFLOPS, "
-                          f"over {args.model}'s", "shapes, each as often as a step runs it: a "
-                          "step's compute runs at its row count's"],
-        "timing": [f"the memory's run-read bandwidth by run size, measured with the card "
-                   f"({bw['source']})"],
-        "engine_run_gbps": [f"the engine's own KV reads ({reads['backend']} attention, "
-                            f"{dtype}) by (layer, K/V, head) run bytes, GB/s:",
-                            "what a step's KV reads cost in simulate; the memory's figures "
-                            "above size extents"],
-        "link_gbps": ["placeholders, NOT measured (one device has no peer): PCIe 4.0 x16 per",
-                      "direction and a 10 us hop; they matter only for simulate --tp > 1"],
-        "step_overhead_us": [f"overheads fitted on the engine's steps of {args.model}, "
-                             f"microseconds: per step, per layer,",
-                             "per running request, per running request per layer"],
-    }
-    header = [f"device card of {dev['spec']}, written by odma-hw calibrate on {when}",
-              f"engine dtype {dtype}; `odma-hw simulate --device THIS_FILE` reads it"]
-    text = card_json(values) if card_is_json(p["card"]) else card_text(values, comments, header)
-    check_card(p["card"], text)
-    from odma_hw import jsonout
 
-    # the probe file first: a card never names a file that is not there yet
-    # each written whole, then renamed into place: a failure leaves the old files as they were;
-    # a link at either path is replaced, not followed, so the card's probe:NAME (relative to
-    # the card's folder) names the probe file written beside it
-    probe_text = jsonout.dumps(doc, indent=1) + "\n"
-    write_file(p["probe"], lambda f: f.write(probe_text), "probe file", replace_links=True)
-    write_file(p["card"], lambda f: f.write(text), "card", replace_links=True)
+def _result(args, p: dict, effort, m: dict, values: dict, load_before, started: float) -> dict:
+    """The result object (SCHEMA) of a calibration whose card holds `values`."""
+    dev, dtype, products = p["device"], p["dtype"], p["products"]
+    bw, mm, each, reads, steps = m["bw"], m["mm"], m["each"], m["reads"], m["steps"]
+    fitting, over, loop, points = m["fitting"], m["over"], m["loop"], m["points"]
+    busy, loaded, other = m["busy"], m["loaded"], m["other"]
     return {
         "schema": SCHEMA, "card": p["card"], "probe": p["probe"], "device": dev["spec"],
         "device_name": dev["name"], "dtype": dtype, "quick": bool(args.quick),
@@ -345,12 +310,6 @@ def calibrate(args, progress=None) -> dict:
     }
 
 
-def _bytes(n: int) -> str:
-    for unit, size in (("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= size and n % size == 0:
-            return f"{n // size} {unit}"
-    return f"{n} B"
-
 
 def format_summary(r: dict) -> str:
     v = r["card_values"]
@@ -360,7 +319,7 @@ def format_summary(r: dict) -> str:
              f"memory figures: {bw['source']}"
              + (f" (--memory {r['memory']})" if r.get("memory") else ""),
              f"bandwidth: sequential {bw['seq_gbps']:.2f} GB/s, copy {bw['copy_gbps']:.2f} GB/s; "
-             "random runs: " + ", ".join(f"{_bytes(int(s))} {g:.2f}"
+             "random runs: " + ", ".join(f"{byte_text(int(s))} {g:.2f}"
                                          for s, g in bw["runs_gbps"].items()) + " GB/s"]
     mm = r["matmul"]
     shapes = ", ".join(f"{q['count']} x {q['k']} -> {q['n']}" for q in mm["products"])
@@ -369,7 +328,7 @@ def format_summary(r: dict) -> str:
         lines.append(f"matmul {dtype} ({shapes}): " + ", ".join(parts) + " TFLOPS")
     er = r["engine_reads"]
     lines.append(f"engine KV reads ({er['backend']} attention) by run: "
-                 + ", ".join(f"{_bytes(int(b))} {g:.3g}" for b, g in er["gbps"].items())
+                 + ", ".join(f"{byte_text(int(b))} {g:.3g}" for b, g in er["gbps"].items())
                  + " GB/s")
     o = r["overheads"]
     c = o["card"]

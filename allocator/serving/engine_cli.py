@@ -168,19 +168,7 @@ def compute(args, results: list | None = None, failed: list | None = None) -> di
 
     model = build_model(p["config"], args.dtype, p["device"], args.seed, p["weights"])
     prompts = prompt_ids(len(p["prompt"]), p["prompt"], p["config"].vocab_size, args.seed)
-    settings = {"model": args.model, "dtype": args.dtype, "device": f"torch:{p['device']}",
-                "trace": p["trace"], "max_model_len": p["max_model_len"],
-                "max_batch": args.max_batch, "kv_pool_mb": p["pool"] / 1e6,
-                "kv_pool_gb": p["pool"] / 1e9, "load": p["load"],
-                "kv_bytes_per_token": p["bpt"], "page_tokens": args.page_tokens,
-                "predictor": args.predictor, "seed": args.seed, "rate": args.rate,
-                "max_num_batched_tokens": args.max_num_batched_tokens,
-                "concurrency": args.concurrency, "extent_knee_tokens": p["knee"],
-                "preemption": (f"swap ({args.swap_space:g} GB host)"
-                               if args.preemption == "swap" else "recompute"),
-                "cobatch": args.cobatch, "demand_bound": args.demand_bound,
-                "dropped_over_length": p["dropped"], "truncated_over_length": p["truncated"],
-                "weights": "loaded" if p["weights"] else "random (seeded)"}
+    settings = run_settings(args, p)
     out = [] if results is None else results
     pooled = [policy for policy in p["policies"] if policy != "hf"]
     if pooled:
@@ -226,16 +214,7 @@ def compute(args, results: list | None = None, failed: list | None = None) -> di
         r = summarise(policy, run, settings, p["slo"])
         r["attention"] = run.get("attention")       # hf: None (transformers' own)
         r["cuda_graphs"] = run.get("cuda_graphs")   # hf: (varlen, decode) as it settled them
-        r["kernel_compiles"] = run.get("kernel_compiles", 0)
-        # what other processes took of the CPUs meanwhile: on a few cores a little of it
-        # slows every step the host drives, and the row would not say so
-        r["other_cpu_share"] = load.share()
-        if r["other_cpu_share"] is not None and r["other_cpu_share"] > BUSY_OTHER_SHARE:
-            print(f"odma-hw engine: other processes took {r['other_cpu_share']:.0%} of the CPUs "
-                  f"during {policy}'s run: its times are a busy host's", file=sys.stderr)
-        if r["kernel_compiles"]:
-            print(f"odma-hw engine: {r['kernel_compiles']} Triton kernel(s) compiled during "
-                  f"{policy}'s timed run: its times include the compilation", file=sys.stderr)
+        warn_disturbed(r, run, policy, load)
         # the KV the run kept its cache in: hf sizes its own, whatever --kv-pool-mb says
         r["kv_cache_mb"] = (run["allocator"]["cache_bytes"] / 1e6 if policy == "hf"
                             else p["pool"] / 1e6)
@@ -243,6 +222,38 @@ def compute(args, results: list | None = None, failed: list | None = None) -> di
             r.update(check_tokens(model, prompts, run["tokens"], run["top_logits"]))
         out.append(r)
     return {"schema": SCHEMA, "results": out, "failed": [] if failed is None else failed}
+
+
+def run_settings(args, p: dict) -> dict:
+    """The settings every result row of the run repeats (`p`: what prepare() checked)."""
+    return {"model": args.model, "dtype": args.dtype, "device": f"torch:{p['device']}",
+            "trace": p["trace"], "max_model_len": p["max_model_len"],
+            "max_batch": args.max_batch, "kv_pool_mb": p["pool"] / 1e6,
+            "kv_pool_gb": p["pool"] / 1e9, "load": p["load"],
+            "kv_bytes_per_token": p["bpt"], "page_tokens": args.page_tokens,
+            "predictor": args.predictor, "seed": args.seed, "rate": args.rate,
+            "max_num_batched_tokens": args.max_num_batched_tokens,
+            "concurrency": args.concurrency, "extent_knee_tokens": p["knee"],
+            "preemption": (f"swap ({args.swap_space:g} GB host)"
+                           if args.preemption == "swap" else "recompute"),
+            "cobatch": args.cobatch, "demand_bound": args.demand_bound,
+            "dropped_over_length": p["dropped"], "truncated_over_length": p["truncated"],
+            "weights": "loaded" if p["weights"] else "random (seeded)"}
+
+
+def warn_disturbed(r: dict, run: dict, policy: str, load) -> None:
+    """Note in the row, and in a warning line, what else was in a policy's times: kernels
+    compiled while its clock ran, and other processes' share of the CPUs (on a few cores a
+    little of it slows every step the host drives, and the row would not say so)."""
+    r["kernel_compiles"] = run.get("kernel_compiles", 0)
+    r["other_cpu_share"] = load.share()
+    if r["other_cpu_share"] is not None and r["other_cpu_share"] > BUSY_OTHER_SHARE:
+        print(f"odma-hw engine: warning: other processes took {r['other_cpu_share']:.0%} of "
+              f"the CPUs during {policy}'s run: its times are a busy host's", file=sys.stderr)
+    if r["kernel_compiles"]:
+        print(f"odma-hw engine: warning: {r['kernel_compiles']} Triton kernel(s) compiled "
+              f"during {policy}'s timed run: its times include the compilation",
+              file=sys.stderr)
 
 
 def warmup_prompts(prompts: list, max_batch: int, longest: bool = False) -> list:

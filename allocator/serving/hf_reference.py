@@ -109,24 +109,8 @@ def run_hf(model, prompts: list, gen: list, arrivals, *, max_batch: int,
     CBConfig, GenerationConfig = _transformers()
     import torch
 
+    _check_requests(model, prompts, gen, arrivals, max_batch)
     n = len(prompts)
-    if not (len(gen) == len(arrivals) == n):
-        raise BadArgument(f"{n} prompts, {len(gen)} generation lengths and {len(arrivals)} "
-                          f"arrivals: expected one of each per request")
-    if n == 0:
-        raise BadArgument("no requests to serve")
-    if int(max_batch) < 1:
-        raise BadArgument(f"max_batch must be at least 1, got {max_batch}")
-    if any(int(g) < 1 for g in gen) or any(p.numel() < 1 for p in prompts):
-        raise BadArgument("every request needs a prompt of at least one token and at least one "
-                          "token to make")
-    if not hasattr(model, "init_continuous_batching"):
-        raise DeviceUnavailable(f"{type(model).__name__} has no continuous batching "
-                                f"(init_continuous_batching)")
-    if getattr(model, "_cached_continuous_batching_manager", None) is not None:
-        # transformers would hand back that manager, sized and configured for other requests
-        raise BadArgument("the model holds a persistent continuous batching manager: call "
-                          "model.destroy_cached_continuous_batching_manager() first")
     _check_memory_probe(torch)
 
     reqs = [RequestState(i, int(prompts[i].numel()), int(gen[i]), float(arrivals[i]))
@@ -189,6 +173,29 @@ def run_hf(model, prompts: list, gen: list, arrivals, *, max_batch: int,
         "used_tokens": 0, "reserved_tokens": 0,
     })
     return run
+
+
+def _check_requests(model, prompts: list, gen: list, arrivals, max_batch) -> None:
+    """BadArgument (DeviceUnavailable for a model without continuous batching) for requests
+    or a model run_hf cannot serve, before anything is built."""
+    n = len(prompts)
+    if not (len(gen) == len(arrivals) == n):
+        raise BadArgument(f"{n} prompts, {len(gen)} generation lengths and {len(arrivals)} "
+                          f"arrivals: expected one of each per request")
+    if n == 0:
+        raise BadArgument("no requests to serve")
+    if int(max_batch) < 1:
+        raise BadArgument(f"max_batch must be at least 1, got {max_batch}")
+    if any(int(g) < 1 for g in gen) or any(p.numel() < 1 for p in prompts):
+        raise BadArgument("every request needs a prompt of at least one token and at least one "
+                          "token to make")
+    if not hasattr(model, "init_continuous_batching"):
+        raise DeviceUnavailable(f"{type(model).__name__} has no continuous batching "
+                                f"(init_continuous_batching)")
+    if getattr(model, "_cached_continuous_batching_manager", None) is not None:
+        # transformers would hand back that manager, sized and configured for other requests
+        raise BadArgument("the model holds a persistent continuous batching manager: call "
+                          "model.destroy_cached_continuous_batching_manager() first")
 
 
 def _next(manager, timeout: float):

@@ -1,4 +1,5 @@
-"""LPDDR5 bank/burst timing emulator (Numba): specs, address maps, traces, engine, checker.
+"""LPDDR5 bank/burst timing emulator (Numba): specs, address maps, traces, engine (its arrays in
+state.py, its decisions in controller.py), checker.
 
     from odma_hw.emu import simulate
     s = simulate("lpddr5-6400", "rand", 64, 100_000)

@@ -11,15 +11,15 @@ from fractions import Fraction
 import numba
 import numpy as np
 
-from odma_hw.emu import engine as E
+from odma_hw.emu import engine, state
 from odma_hw.emu.mapping import address_map, decompose, max_accesses, segment_bytes
 from odma_hw.emu.specs import DeviceSpec, derive, device_spec
 from odma_hw.emu.traces import PATTERNS, Trace, check_shape, generate, read_trace_file
 from odma_hw.errors import BadArgument
 
-REFRESH = {"allbank": E.REF_ALLBANK, "perbank": E.REF_PERBANK, "none": E.REF_NONE}
-PAGE = {"open": E.PAGE_OPEN, "closed": E.PAGE_CLOSED}
-SCHEDULERS = {"frfcfs": E.SCHED_FRFCFS, "fcfs": E.SCHED_FCFS}
+REFRESH = {"allbank": state.REF_ALLBANK, "perbank": state.REF_PERBANK, "none": state.REF_NONE}
+PAGE = {"open": state.PAGE_OPEN, "closed": state.PAGE_CLOSED}
+SCHEDULERS = {"frfcfs": state.SCHED_FRFCFS, "fcfs": state.SCHED_FCFS}
 # EmuStats.commands: engine command counts, in the order the CLI prints them
 _COMMAND_STATS = ("act", "pre", "rd", "wr", "cas", "auto_pre", "preab", "refab", "refpb")
 
@@ -62,7 +62,7 @@ class EmuStats:
         return d
 
 
-QUEUE_UNITS = {"burst": E.QUEUE_BURSTS, "access": E.QUEUE_ACCESSES}
+QUEUE_UNITS = {"burst": state.QUEUE_BURSTS, "access": state.QUEUE_ACCESSES}
 
 # Memory a run needs, per request and per access: a generator's peak (addresses, sizes and write
 # flags with their temporaries; kvscan's is the highest, 41 B), what a trace keeps (8 + 8 + 1)
@@ -98,8 +98,8 @@ def _options(dev: DeviceSpec, refresh: str, page_policy: str, scheduler: str, qu
     # the engine compares counts: >= high entries, <= low entries.
     high = math.floor(Fraction(str(write_high)) * queue) + 1
     low = math.ceil(Fraction(str(write_low)) * queue) - 1
-    return E.options(REFRESH[refresh], PAGE[page_policy], SCHEDULERS[scheduler], queue, high,
-                     low, wck_always_on, QUEUE_UNITS[queue_unit])
+    return state.options(REFRESH[refresh], PAGE[page_policy], SCHEDULERS[scheduler], queue,
+                         high, low, wck_always_on, QUEUE_UNITS[queue_unit])
 
 
 def _is_int(x) -> bool:
@@ -142,7 +142,6 @@ def simulate(spec: str = "lpddr5-6400", pattern: str = "rand", granularity: int 
     """
     dev = device_spec(spec, mode=mode, bl=bl, channels=channels, interleave=interleave)
     ch = dev.channel
-    burst = ch.burst_bytes
     amap = address_map(dev, address_map_name)
     opt = _options(dev, refresh, page_policy, scheduler, queue, wck_always_on,
                    queue_unit=queue_unit, write_high=write_high, write_low=write_low)
@@ -151,53 +150,24 @@ def simulate(spec: str = "lpddr5-6400", pattern: str = "rand", granularity: int 
     if not _is_int(record) or record < 0:
         raise BadArgument(f"record must be a non-negative integer, not {record!r}")
     if trace is None:
-        if pattern not in PATTERNS:
-            raise BadArgument(f"unknown pattern {pattern!r}: expected one of {', '.join(PATTERNS)}")
-        if not _is_int(seed) or seed < 0:
-            raise BadArgument(f"seed must be a non-negative integer, not {seed!r}")
-        fp = dev.total_bytes if footprint is None else int(footprint)
-        if fp > dev.total_bytes or fp <= 0:
-            raise BadArgument(f"footprint {fp} must be in (0, {dev.total_bytes}] bytes")
-        check_shape(requests, granularity, fp, burst)
-        n = int(requests)
-        accesses = n * max_accesses(amap, int(granularity), aligned=True)
-        _check_memory(f"{n} requests of {granularity} B", accesses,
-                      max(_GENERATOR_BYTES * n, _TRACE_BYTES * n + _ACCESS_BYTES * accesses))
-        if progress is not None:
-            progress("trace", 0, n)
-        tr = generate(pattern, n, granularity, footprint=fp, burst=burst,
-                      write_ratio=write_ratio, seed=seed, **pattern_args)
+        tr = _generated_trace(dev, amap, pattern, granularity, requests, footprint, seed,
+                              write_ratio, progress, pattern_args)
     else:
-        if isinstance(trace, str):
-            if not _is_int(granularity) or granularity < burst or granularity % burst:
-                raise BadArgument(f"granularity {granularity} is not a multiple of the "
-                                  f"{burst}-byte burst")
-            tr = read_trace_file(trace, granule=granularity, burst=burst,
-                                 device_bytes=dev.total_bytes)
-        else:
-            tr = trace
-            if len(tr) and int((tr.addr + tr.size).max()) > dev.total_bytes:
-                raise BadArgument(f"trace addresses go beyond the {dev.total_bytes}-byte device")
+        tr = _user_trace(dev, amap, trace, granularity, progress)
         pattern = "trace"
-        seg = segment_bytes(amap)
-        accesses = int((-(-tr.size // seg) + 1).sum())
-        _check_memory(f"the trace's {len(tr)} requests", accesses,
-                      _ACCESS_BYTES * accesses)
-        if progress is not None:
-            progress("trace", 0, len(tr))
 
-    tp = E.pack(derive(ch))
+    tp = state.pack(derive(ch))
     if threads is not None:
         numba.set_num_threads(min(int(threads), numba.config.NUMBA_NUM_THREADS))
     t0 = time.perf_counter()
     offsets, bank, row, bursts, wr = decompose(amap, tr.addr, tr.size, tr.write)
-    stats = np.zeros((dev.channels, E.N_S), np.int64)
-    hist = np.zeros((dev.channels, E.HIST_BINS), np.int64)
-    log = np.zeros((int(record), E.LOG_COLS), np.int64) if record > 0 else None
+    stats = np.zeros((dev.channels, state.N_S), np.int64)
+    hist = np.zeros((dev.channels, state.HIST_BINS), np.int64)
+    log = np.zeros((int(record), state.LOG_COLS), np.int64) if record > 0 else None
     timing = None if progress is None else functools.partial(progress, "timing")
-    E.run(tp, opt, offsets, bank, row, bursts, wr, stats, hist, log, progress=timing)
+    engine.run(tp, opt, offsets, bank, row, bursts, wr, stats, hist, log, progress=timing)
     if log is not None:
-        log = log[: stats[0, E.S.logged]]
+        log = log[: stats[0, state.S.logged]]
     wall = time.perf_counter() - t0
     return _summarise(dev, tr, pattern, granularity, int(bank.shape[0]), stats, hist, wall, log,
                       dict(refresh=refresh, mode=ch.mode or None, bl=ch.org.burst_length,
@@ -208,12 +178,58 @@ def simulate(spec: str = "lpddr5-6400", pattern: str = "rand", granularity: int 
                            seed=seed))
 
 
+def _generated_trace(dev, amap, pattern, granularity, requests, footprint, seed, write_ratio,
+                     progress, pattern_args) -> Trace:
+    """The trace of `requests` requests of `pattern` that simulate() runs, every argument and
+    the memory it needs checked first."""
+    burst = dev.channel.burst_bytes
+    if pattern not in PATTERNS:
+        raise BadArgument(f"unknown pattern {pattern!r}: expected one of {', '.join(PATTERNS)}")
+    if not _is_int(seed) or seed < 0:
+        raise BadArgument(f"seed must be a non-negative integer, not {seed!r}")
+    fp = dev.total_bytes if footprint is None else int(footprint)
+    if fp > dev.total_bytes or fp <= 0:
+        raise BadArgument(f"footprint {fp} must be in (0, {dev.total_bytes}] bytes")
+    check_shape(requests, granularity, fp, burst)
+    n = int(requests)
+    accesses = n * max_accesses(amap, int(granularity), aligned=True)
+    _check_memory(f"{n} requests of {granularity} B", accesses,
+                  max(_GENERATOR_BYTES * n, _TRACE_BYTES * n + _ACCESS_BYTES * accesses))
+    if progress is not None:
+        progress("trace", 0, n)
+    return generate(pattern, n, granularity, footprint=fp, burst=burst,
+                    write_ratio=write_ratio, seed=seed, **pattern_args)
+
+
+def _user_trace(dev, amap, trace, granularity, progress) -> Trace:
+    """A user's trace (a Trace or the path of a text trace) as simulate() runs it, checked
+    against the device and the memory it needs first."""
+    burst = dev.channel.burst_bytes
+    if isinstance(trace, str):
+        if not _is_int(granularity) or granularity < burst or granularity % burst:
+            raise BadArgument(f"granularity {granularity} is not a multiple of the "
+                              f"{burst}-byte burst")
+        tr = read_trace_file(trace, granule=granularity, burst=burst,
+                             device_bytes=dev.total_bytes)
+    else:
+        tr = trace
+        if len(tr) and int((tr.addr + tr.size).max()) > dev.total_bytes:
+            raise BadArgument(f"trace addresses go beyond the {dev.total_bytes}-byte device")
+    seg = segment_bytes(amap)
+    accesses = int((-(-tr.size // seg) + 1).sum())
+    _check_memory(f"the trace's {len(tr)} requests", accesses,
+                  _ACCESS_BYTES * accesses)
+    if progress is not None:
+        progress("trace", 0, len(tr))
+    return tr
+
+
 def _summarise(dev, tr, pattern, granularity, accesses, stats, hist, wall, log, config) -> EmuStats:
     ch = dev.channel
     d = derive(ch)
     tck = ch.timings.tCK_ns
     tot = stats.sum(axis=0)
-    end_ck = int(stats[:, E.S.end].max())
+    end_ck = int(stats[:, state.S.end].max())
     sim_ns = end_ck * tck
     nbytes = tr.bytes
     bw = nbytes / sim_ns if sim_ns > 0 else 0.0
@@ -223,8 +239,8 @@ def _summarise(dev, tr, pattern, granularity, accesses, stats, hist, wall, log, 
     p99 = float(np.searchsorted(np.cumsum(h), math.ceil(0.99 * nlat)) * tck) if nlat else 0.0
     buses = 2 if d.split_row_col else 1
     reads = int(tr.write.size - int(tr.write.sum()))
-    cmds = {name: int(tot[getattr(E.S, name)]) for name in _COMMAND_STATS}
-    hits, miss, conf = int(tot[E.S.hit]), int(tot[E.S.miss]), int(tot[E.S.conflict])
+    cmds = {name: int(tot[getattr(state.S, name)]) for name in _COMMAND_STATS}
+    hits, miss, conf = int(tot[state.S.hit]), int(tot[state.S.miss]), int(tot[state.S.conflict])
     return EmuStats(
         preset=dev.name, device=ch.name + (f" x {dev.channels} channels" if dev.channels > 1 else ""),
         channels=dev.channels, pattern=pattern, granularity=int(granularity), requests=len(tr),
@@ -234,7 +250,8 @@ def _summarise(dev, tr, pattern, granularity, accesses, stats, hist, wall, log, 
         row_hits=hits, row_misses=miss, row_conflicts=conf,
         row_hit_rate=hits / max(1, hits + miss + conf), commands=cmds,
         data_bus_utilisation=(cmds["rd"] + cmds["wr"]) * d.nBL / busy_ck if busy_ck else 0.0,
-        ca_bus_utilisation=int(tot[E.S.ca_busy]) / (busy_ck * buses) if busy_ck else 0.0,
-        read_latency_mean_ns=(tot[E.S.lat_sum] / tot[E.S.lat_n] * tck) if tot[E.S.lat_n] else 0.0,
+        ca_bus_utilisation=int(tot[state.S.ca_busy]) / (busy_ck * buses) if busy_ck else 0.0,
+        read_latency_mean_ns=((tot[state.S.lat_sum] / tot[state.S.lat_n] * tck)
+                              if tot[state.S.lat_n] else 0.0),
         read_latency_p99_ns=p99, wall_seconds=wall,
         requests_per_second=len(tr) / wall if wall > 0 else 0.0, config=config, log=log)

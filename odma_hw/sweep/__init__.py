@@ -15,9 +15,9 @@ command's own option names (no leading dashes):
     granularity = [32, 64]
 
 Where each concern lives:
-- grid.py: the grid file and its cells. Before any cell runs, every cell is checked with the
-  command's own parser and the value checks its compute() would make first, so a typo fails in
-  one line (exit 2) naming the first bad cell and the key;
+- grid.py: the grid file and the command's own checks; cells.py: its cells. Before any cell
+  runs, every cell is checked with the command's own parser and the value checks its compute()
+  would make first, so a typo fails in one line (exit 2) naming the first bad cell and the key;
 - log.py: content hashes (what --resume trusts: arguments, the files they name, the code) and
   the framed results log, which keeps every finished cell however the sweep ends;
 - run.py: Ray (an embedded local cluster by default, --address joins one), the workers, the
@@ -51,18 +51,15 @@ import time
 
 from odma_hw import argtypes, jsonout
 from odma_hw.errors import BadArgument, OdmaError
+from odma_hw.sweep.cells import Cell, Cells, Plan, plan
 from odma_hw.sweep.grid import (
     GRID_KEYS,
     INSTALL_HINT,
-    Cell,
-    Cells,
     Grid,
-    Plan,
     cell_argv,
     command_parser,
     load_grid,
     option_name,
-    plan,
     sweepable,
     uses_numba,
     value_checks,

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from odma_hw import plotting
 from odma_hw.commands import module_of
 from odma_hw.errors import BadArgument
-from odma_hw.sweep.grid import Cells, Grid, Plan, option_name, value_text
+from odma_hw.sweep.cells import Cells, Plan
+from odma_hw.sweep.grid import Grid, option_name, value_text
 from odma_hw.sweep.log import (
     BOOKKEEPING,
     FRAME_KEYS,

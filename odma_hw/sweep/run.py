@@ -31,7 +31,8 @@ import time
 from dataclasses import dataclass
 
 from odma_hw.errors import BadArgument, OdmaError
-from odma_hw.sweep.grid import INSTALL_HINT, Plan, command_parser, uses_numba
+from odma_hw.sweep.cells import Plan
+from odma_hw.sweep.grid import INSTALL_HINT, command_parser, uses_numba
 from odma_hw.sweep.log import OutputError, ResultLog, cell_records, output_rows
 
 TCP_TIMEOUT_S = 3.0

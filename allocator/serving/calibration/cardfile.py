@@ -1,6 +1,7 @@
 """A card and its probe file as calibrate writes them: where (checked before anything is
-measured), TOML or JSON text with six significant digits, checked by the card reader itself
-before it is written.
+measured), what the card says (card_contents: its values, the sentence of its source, the
+comments on its keys), TOML or JSON text with six significant digits, checked by the card reader
+itself before it is written.
 """
 
 from __future__ import annotations
@@ -14,6 +15,10 @@ from odma_hw.errors import BadArgument, DeviceError
 from allocator.serving.calibration.measure import TORCH_SOURCE
 
 PROBE_SCHEMA = "odma-hw.probe/1"
+# Placeholders for what one device cannot measure: PCIe 4.0 x16 per direction, and the
+# per-hop latency the shipped mlu370-x4 card assumes. They matter only for simulate --tp > 1.
+LINK_GBPS_PLACEHOLDER = 32.0
+LINK_LATENCY_US_PLACEHOLDER = 10.0
 
 
 # ----------------------------------------------------------------------------- checks
@@ -154,3 +159,91 @@ def probe_document(dev: dict, bw: dict, run_sizes) -> dict:
             "memory's rate"),
         "convention": "GB = 1e9 B; copy counts read + write; random counts run bytes x runs",
         "details": {"method": bw["method"], "odma_hw": odma_hw.__version__}}]}
+
+
+# ----------------------------------------------------------------------------- contents
+def byte_text(n: int) -> str:
+    """4194304 -> '4 MiB', 2048 -> '2 KiB', 96 -> '96 B'."""
+    for unit, size in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size and n % size == 0:
+            return f"{n // size} {unit}"
+    return f"{n} B"
+
+
+def card_contents(args, p: dict, effort, m: dict, when: str, measured: str | None,
+                  torch_version: str) -> tuple[dict, dict, list[str]]:
+    """(values, comments by key, header lines) of the card a calibration writes: `args` its
+    parsed arguments (name, model, prefill_tokens, quick), `p` calibrate.check()'s plan, `m`
+    its measurements, `when` the time it ran, `measured` the name of the device its probe file
+    measured (None where unknown)."""
+    dev, dtype = p["device"], p["dtype"]
+    bw, mm, peak, tflops_bf16 = m["bw"], m["mm"], m["peak"], m["tflops_bf16"]
+    reads, fitting, over, loop = m["reads"], m["fitting"], m["over"], m["loop"]
+    busy, points, loaded = m["busy"], m["points"], m["loaded"]
+    decode = mm[dtype]
+    name = args.name or f"calibrated-{dev['spec'].replace(':', '-')}"
+    probe_name = os.path.basename(p["probe"])
+    source = (
+        f"odma-hw calibrate on {dev['spec']} ({dev['name']}), torch {torch_version}, {when}. "
+        f"Bandwidth (memory: {bw['source']}): reads of random runs, sequential read and copy "
+        f"({probe_name}). Matmul {dtype} over {args.model}'s layer and LM-head shapes, each "
+        f"weighed by the time a step spends in it, at {args.prefill_tokens} rows: "
+        f"{peak:.4g} TFLOPS (mfu 1: the engine's matrix products reach this)"
+        + (f"; bfloat16 {tflops_bf16:.4g}" if dtype != "bfloat16" else "")
+        + "; at decode rows " + ", ".join(f"{r}: {decode[r]:.3g}" for r in effort.decode_rows)
+        + f" TFLOPS. The engine's KV reads ({reads['backend']} attention) by run: "
+        + ", ".join(f"{byte_text(b)} {g:.4g}" for b, g in reads["gbps"].items())
+        + f" GB/s. Overheads fitted on the engine's decode steps of {args.model} at "
+        f"{'/'.join(map(str, effort.fit_layers))} layers, batch "
+        f"{'/'.join(map(str, effort.fit_batches))}, contexts "
+        f"{'/'.join(map(str, effort.fit_contexts))}: per step "
+        f"{fitting['step_s'] * 1e6:.4g} us, per layer {fitting['layer_s'] * 1e6:.4g} us, per "
+        f"request {fitting['request_s'] * 1e6:.4g} us, per request per layer "
+        f"{fitting['layer_request_s'] * 1e6:.4g} us; rms relative residual "
+        f"{fitting['rms_relative_residual']:.3f}, max {fitting['max_relative_residual']:.3f}; "
+        f"prefill steps then rms {fitting['prefill']['rms_relative_residual']:.3f}. The "
+        f"serving loop adds {loop['step_s'] * 1e6:.4g} us per step and "
+        f"{loop['request_s'] * 1e6:.4g} us per request (in the card's step and request "
+        f"overheads)"
+        + (f" (WARNING: the steps of {len(busy)} of {len(points)} shapes varied as on a busy "
+           f"machine)" if busy else "")
+        + (" (WARNING: other processes ran during " + ", ".join(loaded) + ")" if loaded else "")
+        + ". link_gbps and link_latency_us are placeholders, not measured."
+        + (" (--quick: fewer repetitions)" if args.quick else ""))
+    values = {"name": name, "bandwidth_gbps": float(bw["seq_gbps"]),
+              "capacity_gb": dev["capacity_bytes"] / 1e9, "tflops_bf16": tflops_bf16}
+    if dtype == "float32":
+        values["tflops_fp32"] = peak
+    values.update({"mfu": 1.0,
+                   "matmul_tflops": {r: mm[dtype][r] for r in sorted(mm[dtype])},
+                   "timing": f"probe:{probe_name}",
+                   **({"engine_run_gbps": dict(reads["gbps"])} if reads["gbps"] else {}),
+                   "link_gbps": LINK_GBPS_PLACEHOLDER,
+                   "link_latency_us": LINK_LATENCY_US_PLACEHOLDER,
+                   **over, **({"device_name": measured} if measured else {}),
+                   "source": source})
+    comments = {
+        "bandwidth_gbps": [f"sequential read, GB/s (1e9 B/s); memory figures: {bw['source']}"],
+        "capacity_gb": ["the device's whole memory, GB" + (" (host memory)" if
+                                                          dev["device"].type == "cpu" else "")],
+        "tflops_bf16": [f"matmul throughput of {args.model}'s products at "
+                        f"{args.prefill_tokens} rows, TFLOPS"],
+        "mfu": ["the figures above are what the engine's matmuls reach, not a datasheet peak"],
+        "matmul_tflops": [f"{dtype} matmul throughput by rows (tokens) in the products, TFLOPS, "
+                          f"over {args.model}'s", "shapes, each as often as a step runs it: a "
+                          "step's compute runs at its row count's"],
+        "timing": [f"the memory's run-read bandwidth by run size, measured with the card "
+                   f"({bw['source']})"],
+        "engine_run_gbps": [f"the engine's own KV reads ({reads['backend']} attention, "
+                            f"{dtype}) by (layer, K/V, head) run bytes, GB/s:",
+                            "what a step's KV reads cost in simulate; the memory's figures "
+                            "above size extents"],
+        "link_gbps": ["placeholders, NOT measured (one device has no peer): PCIe 4.0 x16 per",
+                      "direction and a 10 us hop; they matter only for simulate --tp > 1"],
+        "step_overhead_us": [f"overheads fitted on the engine's steps of {args.model}, "
+                             f"microseconds: per step, per layer,",
+                             "per running request, per running request per layer"],
+    }
+    header = [f"device card of {dev['spec']}, written by odma-hw calibrate on {when}",
+              f"engine dtype {dtype}; `odma-hw simulate --device THIS_FILE` reads it"]
+    return values, comments, header

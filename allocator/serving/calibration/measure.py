@@ -176,21 +176,21 @@ def measure_bandwidth(spec: str, effort: Effort, seed: int) -> dict:
 def measure_native_bandwidth(native: str, effort: Effort, torch_name: str | None = None) -> dict:
     """Run-read, sequential and copy bandwidth of the memory behind a torch device, measured by
     odma-hw's native probe on `native` (host, cuda:N, mlu:N): the measurement `odma-hw probe
-    --device NATIVE --granularity <the run sizes>` makes (odma_hw.probe.plan_probe and run_plan:
-    the device's default working sets, every host thread on host, effort.bandwidth_reps
-    repetitions), its random reads at each of effort.run_sizes. `torch_name`: the torch
-    device's name, which the native device must share (the same ordinal names the same card to
-    both), else DeviceUnavailable. DeviceUnavailable, DeviceError or BadArgument
+    --device NATIVE --granularity <the run sizes>` makes (odma_hw.probe.measure's plan_probe
+    and run_plan: the device's default working sets, every host thread on host,
+    effort.bandwidth_reps repetitions), its random reads at each of effort.run_sizes.
+    `torch_name`: the torch device's name, which the native device must share (the same ordinal
+    names the same card to both), else DeviceUnavailable. DeviceUnavailable, DeviceError or BadArgument
     when the native backend is absent or refuses."""
-    from odma_hw import devices, probe
+    from odma_hw import devices
+    from odma_hw.probe.measure import plan_probe, run_plan
 
     with devices.open(native) as d:
         if torch_name is not None and d.info.name != torch_name:
             raise DeviceUnavailable(f"{native} is {d.info.name!r}, not the torch device's "
                                     f"{torch_name!r}")
-        plan = probe.plan_probe(d, granularities=effort.run_sizes,
-                                reps=effort.bandwidth_reps)
-        result = probe.run_plan(plan)
+        plan = plan_probe(d, granularities=effort.run_sizes, reps=effort.bandwidth_reps)
+        result = run_plan(plan)
     by_granule = {(m.pattern, m.granule, m.threads): m for m in result.measurements}
     method = by_granule[("rand", effort.run_sizes[0], result.threads)].method
     kernel = method.split(" (")[0]
