@@ -166,11 +166,12 @@ class Runner:
                 o[chunk_rows] = run_attention.prefill_attention(
                     q[chunk_rows], self.kv.flat, runs_chunk, *chunk_q, layer, self.kv_heads,
                     self.head_dim, self.scale, backend=self.backend, max_q_len=longest_chunk)
-            for a, b in prompts:         # a whole prompt: its own K and V, no read back
+            if prompts:                  # whole prompts: their own K and V, no read back
                 with dense_attention():
-                    o[a:b] = sdpa(q[None, a:b].transpose(1, 2), k[None, a:b].transpose(1, 2),
-                                  v[None, a:b].transpose(1, 2), is_causal=b - a > 1,
-                                  enable_gqa=True)[0].transpose(0, 1)
+                    for a, b in prompts:
+                        o[a:b] = sdpa(q[None, a:b].transpose(1, 2), k[None, a:b].transpose(1, 2),
+                                      v[None, a:b].transpose(1, 2), is_causal=b - a > 1,
+                                      enable_gqa=True)[0].transpose(0, 1)
             return o
 
         hidden = self.layers(self._to_device(ids), self._to_device(pos),

@@ -248,34 +248,24 @@ class EmuTiming(MemoryTiming):
                                             chunk_bytes=s.chunk_bytes, seed=s.seed))
         return self._point(f"run:{size}", compute)
 
-    def _efficiency_at(self, x: float) -> float:
-        """Efficiency at log2(run bytes) = x, interpolated between the two grid points around
-        it (each computed on first use)."""
-        x = min(max(x, GRID_MIN_LOG2), GRID_MAX_LOG2)
-        pos = (x - GRID_MIN_LOG2) * 2
-        lo = min(int(pos), len(GRID_LOG2) - 2)
+    def _efficiency_at(self, x):
+        """Efficiency at log2(run bytes) = x (a number or an array), interpolated between the
+        two grid points around each value (each point computed on first use)."""
+        pos = (np.clip(x, GRID_MIN_LOG2, GRID_MAX_LOG2) - GRID_MIN_LOG2) * 2
+        lo = np.minimum(np.asarray(pos).astype(np.int64), len(GRID_LOG2) - 2)
         w = pos - lo
         table = self._table
-        for i in (lo, lo + 1):
+        for i in np.unique([lo, lo + 1]):
             if table[i] != table[i]:                  # NaN: not computed yet
-                table[i] = self._grid_efficiency(i)
+                table[i] = self._grid_efficiency(int(i))
         return table[lo] * (1 - w) + table[lo + 1] * w
 
     def run_efficiency(self, run_bytes):
         """Efficiency (fraction of peak) of runs of `run_bytes` (a number or an array)."""
         if np.ndim(run_bytes) == 0:
-            return self._efficiency_at(math.log2(max(float(run_bytes), 1.0)))
-        x = np.log2(np.maximum(np.asarray(run_bytes, dtype=np.float64), 1.0))
-        # _efficiency_at over the array at once: the same interpolation, element by element
-        pos = (np.clip(x, GRID_MIN_LOG2, GRID_MAX_LOG2) - GRID_MIN_LOG2) * 2
-        lo = np.minimum(pos.astype(np.int64), len(GRID_LOG2) - 2)
-        w = pos - lo
-        table = self._table
-        for i in np.unique(np.concatenate([lo.ravel(), lo.ravel() + 1])):
-            if table[i] != table[i]:                  # NaN: not computed yet
-                table[i] = self._grid_efficiency(int(i))
-        t = np.asarray(table, dtype=np.float64)
-        return t[lo] * (1 - w) + t[lo + 1] * w
+            return float(self._efficiency_at(math.log2(max(float(run_bytes), 1.0))))
+        return self._efficiency_at(np.log2(np.maximum(np.asarray(run_bytes, dtype=np.float64),
+                                                      1.0)))
 
     def run_gbps(self, run_bytes) -> np.ndarray:
         return self.bandwidth_gbps * self.run_efficiency(run_bytes)
