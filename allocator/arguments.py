@@ -18,7 +18,7 @@ import math
 import numbers
 import operator
 
-from odma_hw.errors import BadArgument
+from odma_cli.errors import BadArgument
 
 _INF = math.inf
 

@@ -29,7 +29,7 @@ import weakref
 
 import numpy as np
 
-from odma_hw.errors import BadArgument
+from odma_cli.errors import BadArgument
 
 RULES = ("occupancy", "min-waste")
 _NAN = float("nan")

@@ -19,7 +19,7 @@ from allocator.buckets import QuantileBuckets
 from allocator.config import check_config
 from allocator.errors import DuplicateRequest, OutOfMemory, UnknownRequest, require
 from allocator.placement import RacmAllocator
-from odma_hw.errors import BadArgument
+from odma_cli.errors import BadArgument
 
 
 class ClusterManager:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from odma_hw.errors import BadArgument
+from odma_cli.errors import BadArgument
 
 from allocator.arguments import amount
 from allocator.buckets import MAX_BUCKETS, RULES

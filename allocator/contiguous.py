@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import time
 
-from odma_hw.errors import BadArgument
+from odma_cli.errors import BadArgument
 
 from allocator.arguments import amount, count, positive_count
 from allocator.errors import MigrationFailed, OutOfMemory, require

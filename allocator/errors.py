@@ -1,10 +1,10 @@
-"""Errors the allocator raises on purpose; all are odma_hw.errors.OdmaError subclasses.
+"""Errors the allocator raises on purpose; all are odma_cli.errors.OdmaError subclasses.
 
 Every failed operation leaves the allocator exactly as it was, so a caller can catch the error and
 carry on (preempt the request, retry later, fix the argument).
 """
 
-from odma_hw.errors import BadArgument, DeviceError, OdmaError
+from odma_cli.errors import BadArgument, DeviceError, OdmaError
 
 
 class OutOfMemory(OdmaError):

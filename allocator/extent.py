@@ -36,7 +36,7 @@ extents (MigrationFailed).
 
 from __future__ import annotations
 
-from odma_hw.errors import BadArgument
+from odma_cli.errors import BadArgument
 
 from allocator.arguments import count
 from allocator.buckets import align_up

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import collections
 
-from odma_hw.errors import BadArgument
+from odma_cli.errors import BadArgument
 
 from allocator.arguments import amount, count, positive_count
 from allocator.config import check_config
@@ -27,7 +27,7 @@ class PagedBlock(PinnedBlock):
     kept as they grow, from the pages added since they were last counted, instead of rescanned:
     a long request in a fragmented pool holds hundreds of runs, and the simulation's step timer
     reads them every time a page is added. `timer_line` is room for that timer's own record of
-    the runs it has costed (allocator/serving/steptime.py); the allocator never reads it."""
+    the runs it has costed (allocator/serving/sim/steptime.py); the allocator never reads it."""
 
     __slots__ = ("pages", "_run_first", "_run_pages", "_counted", "timer_line")
     bucket = "paged"

@@ -25,12 +25,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-from odma_hw.errors import BadArgument
+from odma_cli.errors import BadArgument
 
 from allocator.extent import ElasticAllocator, ExtentAllocator
 from allocator.paged import PagedAllocator
-from allocator.placement import (OracleAllocator, RacmAllocator, S3Allocator,
-                                 StaticAllocator)
+from allocator.placement import OracleAllocator, RacmAllocator, S3Allocator, StaticAllocator
 
 LAYOUTS = ("contiguous", "paged", "extent")
 

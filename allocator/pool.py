@@ -19,9 +19,9 @@ import math
 import threading
 import weakref
 
+from odma_cli.errors import BadArgument
 from odma_hw import devices as _devices
 from odma_hw.devices.base import Device
-from odma_hw.errors import BadArgument
 
 from allocator.arguments import byte_data, count
 from allocator.copier import StreamingCopier

@@ -23,7 +23,7 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-from odma_hw.errors import BadArgument
+from odma_cli.errors import BadArgument
 
 # one-sided standard-normal quantile for the default 95 % coverage
 _Z95 = 1.6448536269514722

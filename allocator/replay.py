@@ -40,9 +40,9 @@ import time
 
 import numpy as np
 
-from odma_hw import argtypes, jsonout, plotting
-from odma_hw.commands import ValueCheck
-from odma_hw.errors import BadArgument
+from odma_cli import argtypes, jsonout, plotting
+from odma_cli.commands import ValueCheck
+from odma_cli.errors import BadArgument
 
 from allocator.buckets import RULES
 from allocator.config import BASES, COLD_STARTS, AllocatorConfig
@@ -64,8 +64,21 @@ GIB = 1 << 30
 MAX_POOL_GIB = 1 << 20  # a PiB: beyond any device; a larger figure is a typo
 
 
-def pool_bytes(gib: float) -> int:
-    """--pool-gib in bytes (refusing what no device holds)."""
+DEFAULT_POOL_GIB = 6.0
+
+
+def pool_bytes(kv_pool_gb: float | None = None, pool_gib: float | None = None) -> int:
+    """The KV pool in bytes: --kv-pool-gb (1e9 B, as simulate and engine take it) or its older
+    spelling --pool-gib (2^30 B), one of them (default 6 GiB); refusing what no device holds."""
+    if kv_pool_gb is not None and pool_gib is not None:
+        raise BadArgument("--pool-gib is the older spelling of --kv-pool-gb (in GiB): give one "
+                          "of them")
+    if kv_pool_gb is not None:
+        if not 0 < kv_pool_gb * 1e9 <= MAX_POOL_GIB * GIB:
+            raise BadArgument(f"--kv-pool-gb must be in (0, {MAX_POOL_GIB * GIB / 1e9:.0f}], "
+                              f"got {kv_pool_gb}")
+        return int(round(kv_pool_gb * 1e9))
+    gib = DEFAULT_POOL_GIB if pool_gib is None else pool_gib
     if not (0 < gib <= MAX_POOL_GIB):
         raise BadArgument(f"--pool-gib must be in (0, {MAX_POOL_GIB}], got {gib}")
     return int(gib * GIB)
@@ -163,7 +176,7 @@ def compute(args) -> dict:
     device = args.device or default_device()
     return run_replay(
         args.trace, args.policy, args.predictor, model=args.model,
-        bytes_per_token=args.bytes_per_token, pool_bytes=pool_bytes(args.pool_gib),
+        bytes_per_token=args.bytes_per_token, pool_bytes=pool_bytes(args.kv_pool_gb, args.pool_gib),
         max_tokens=args.max_tokens, n_buckets=args.buckets, bucket_rule=args.bucket_rule,
         bucket_basis=args.bucket_basis,
         device=device, rate=args.rate, time_scale=args.time_scale,
@@ -241,9 +254,15 @@ def add_policy_arguments(p) -> None:
                    help="pool share reserved for the large bucket")
 
 
+DEFAULT_METRIC = "utilization"          # what a sweep of replay prints and plots
+OPTION_UNITS = {"bytes-per-token": "B", "max-tokens": "tokens", "rate": "req/s",
+                "pool-gib": "GiB", "step-seconds": "s"}
+
+
 def sweep_checks() -> list[ValueCheck]:
-    """What compute() refuses before any work (see odma_hw/commands.py)."""
-    return [trace_check(), ValueCheck("pool-gib", ("pool_gib",), lambda a: pool_bytes(a.pool_gib))]
+    """What compute() refuses before any work (see odma_cli/commands.py)."""
+    return [trace_check(), ValueCheck("kv-pool-gb", ("kv_pool_gb", "pool_gib"),
+                                      lambda a: pool_bytes(a.kv_pool_gb, a.pool_gib))]
 
 
 def register(subparsers) -> None:
@@ -257,8 +276,13 @@ def register(subparsers) -> None:
                    help="sets the KV bytes per token (default qwen2.5-7b: 57,344 B)")
     p.add_argument("--bytes-per-token", type=argtypes.positive_int, default=None,
                    help="KV bytes per token (overrides --model)")
-    p.add_argument("--pool-gib", type=argtypes.positive_float, default=6.0,
-                   help="KV pool size per device in GiB (default 6)")
+    p.add_argument("--kv-pool-gb", type=argtypes.positive_float, default=None, metavar="GB",
+                   help="KV pool per device in GB of 1e9 B, the unit simulate and engine take "
+                        f"(default {DEFAULT_POOL_GIB:g} GiB: "
+                        f"{DEFAULT_POOL_GIB * GIB / 1e9:.2f} GB)")
+    p.add_argument("--pool-gib", type=argtypes.positive_float, default=None, metavar="GIB",
+                   help="the pool in GiB (2^30 B): the older spelling of --kv-pool-gb, kept "
+                        "for older command lines")
     p.add_argument("--device", default=None,
                    help="device holding the pool (default host, else torch:cpu); 'none' = "
                         "accounting only: no memory, no copies, same metrics")

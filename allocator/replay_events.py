@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 
-from odma_hw.errors import BadArgument
+from odma_cli.errors import BadArgument
 
 from allocator.errors import OutOfMemory
 from allocator.placement import LARGE
@@ -179,7 +179,7 @@ class _Replay:
             except OutOfMemory:
                 if self.running.count == 0:
                     raise BadArgument(f"request {i} ({prompt[i]} + {self.gen[i]} tokens) does "
-                                      f"not fit in an empty pool: enlarge --pool-gib") from None
+                                      f"not fit in an empty pool: enlarge --kv-pool-gb") from None
                 return
             waiting.popleft()
             if self.first_admit[i] < 0:

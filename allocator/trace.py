@@ -28,8 +28,8 @@ import stat
 
 import numpy as np
 
-from odma_hw.commands import ValueCheck
-from odma_hw.errors import BadArgument, OutputError
+from odma_cli.commands import ValueCheck
+from odma_cli.errors import BadArgument, OutputError
 
 # No model serves a request longer than this; a larger count is a corrupt trace.
 MAX_REQUEST_TOKENS = 10_000_000

@@ -138,13 +138,13 @@ def test_contiguous_vs_paged_kv_read_on_emulated_lpddr5(benchmark):
     def run():
         for name, addr in (("contiguous", contiguous), ("paged", scattered)):
             tr = emu.from_arrays(addr, granule=granule, burst=32, device_bytes=pool)
-            out[name] = emu.simulate("lpddr5-6400", trace=tr, granularity=granule)
+            out[name] = emu.emulate("lpddr5-6400", trace=tr, granularity=granule)
 
     try:
         run()                                   # JIT warm-up outside the measurement
         benchmark.pedantic(run, rounds=3, iterations=1)
     except TypeError as exc:                    # the emulator's API moved: say what is missing
-        pytest.skip(f"odma_hw.emu.simulate(trace=...) not usable here: {exc}")
+        pytest.skip(f"odma_hw.emu.emulate(trace=...) not usable here: {exc}")
     c, p = out["contiguous"], out["paged"]
     t_c = c.bytes / (c.bandwidth_gbps * 1e9) if hasattr(c, "bytes") else 1 / c.bandwidth_gbps
     t_p = p.bytes / (p.bandwidth_gbps * 1e9) if hasattr(p, "bytes") else 1 / p.bandwidth_gbps

@@ -22,8 +22,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from allocator.serving.live import measure_attention, measure_run_bandwidth  # noqa: E402
-from allocator.serving.presets import model_spec  # noqa: E402
+from allocator.serving.cards.presets import model_spec  # noqa: E402
+from allocator.serving.sim.live import measure_attention, measure_run_bandwidth  # noqa: E402
 from odma_hw import devices  # noqa: E402
 
 QWEN = model_spec("deepseek-r1-distill-qwen-7b")

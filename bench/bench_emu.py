@@ -13,8 +13,8 @@ import numba
 import numpy as np
 import pytest
 
-from odma_hw.emu import engine, state
-from odma_hw.emu import simulate
+from odma_hw.emu import state, timing_loop
+from odma_hw.emu import emulate
 from odma_hw.emu.mapping import address_map, decompose
 from odma_hw.emu.model import _options
 from odma_hw.emu.specs import derive, device_spec
@@ -33,7 +33,7 @@ def _one_channel_arrays(n):
 @pytest.mark.parametrize("slices", ["sliced", "one-slice"])
 def test_engine_one_channel_random_64B(benchmark, timings, slices):
     """Target: >= 2 M requests/s on one core (Ramulator 2.1: ~0.2-0.4 M here). `sliced` is the
-    default (slices of about engine.SLICE_SECONDS, so Ctrl-C is honoured); `one-slice` runs the
+    default (slices of about timing_loop.SLICE_SECONDS, so Ctrl-C is honoured); `one-slice` runs the
     whole trace in one kernel call: the difference is the cost of slicing."""
     n = 1_000_000
     tp, opt, (offsets, bank, row, bursts, wr) = _one_channel_arrays(n)
@@ -42,7 +42,7 @@ def test_engine_one_channel_random_64B(benchmark, timings, slices):
     def run():
         stats = np.zeros((1, state.N_S), np.int64)
         hist = np.zeros((1, state.HIST_BINS), np.int64)
-        engine.run(tp, opt, offsets, bank, row, bursts, wr, stats, hist, budget=budget)
+        timing_loop.run(tp, opt, offsets, bank, row, bursts, wr, stats, hist, budget=budget)
         return stats[0]
 
     run()  # JIT / cache load
@@ -54,24 +54,24 @@ def test_engine_one_channel_random_64B(benchmark, timings, slices):
 
 
 def test_simulate_one_channel_random_64B(benchmark):
-    """Whole simulate(): trace generation excluded, address decomposition and engine included."""
-    simulate("lpddr5-6400", "rand", 64, 1000)
+    """Whole emulate(): trace generation excluded, address decomposition and engine included."""
+    emulate("lpddr5-6400", "rand", 64, 1000)
     n = 1_000_000
-    s = benchmark.pedantic(lambda: simulate("lpddr5-6400", "rand", 64, n), rounds=3, iterations=1)
+    s = benchmark.pedantic(lambda: emulate("lpddr5-6400", "rand", 64, n), rounds=3, iterations=1)
     benchmark.extra_info["requests_per_second"] = s.requests_per_second
     benchmark.extra_info["efficiency"] = s.efficiency
 
 
 def test_mlu370_x4_ten_million_random_64B(benchmark):
     """Target: 10 M random 64 B requests on 24 channels in < 10 s on this 2-core machine."""
-    simulate("mlu370-x4", "rand", 64, 24_000)
+    emulate("mlu370-x4", "rand", 64, 24_000)
     threads = min(2, numba.config.NUMBA_NUM_THREADS)
     n = 10_000_000
     t0 = []
 
     def run():
         t0.append(time.perf_counter())
-        s = simulate("mlu370-x4", "rand", 64, n, threads=threads)
+        s = emulate("mlu370-x4", "rand", 64, n, threads=threads)
         t0[-1] = time.perf_counter() - t0[-1]  # including trace generation
         return s
 

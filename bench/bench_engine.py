@@ -1,4 +1,4 @@
-"""The real engine's decode step (allocator/serving/runner.py) with the KV in contiguous blocks
+"""The real engine's decode step (allocator/serving/engine/runner.py) with the KV in contiguous blocks
 (one run per request) against 16-token pages (one run per page), read by the same run-table
 attention: Qwen2.5-0.5B's published config, random weights, float32, on torch:cpu. The ratio
 paged / contiguous seconds goes to extra_info."""
@@ -14,9 +14,9 @@ pytest.importorskip("transformers")
 from allocator.config import AllocatorConfig  # noqa: E402
 from allocator.policies import make_allocator  # noqa: E402
 from allocator.serving import models  # noqa: E402
-from allocator.serving import torch_engine as te  # noqa: E402
-from allocator.serving.kv_runs import KVPool  # noqa: E402
-from allocator.serving.runner import Runner  # noqa: E402
+from allocator.serving.engine import serve as te  # noqa: E402
+from allocator.serving.engine.kv_runs import KVPool  # noqa: E402
+from allocator.serving.engine.runner import Runner  # noqa: E402
 
 BATCH, CONTEXT = 8, 256
 

@@ -1,4 +1,4 @@
-"""Run-table decode attention (allocator/serving/run_attention.py): KV bytes read per second of
+"""Run-table decode attention (allocator/serving/engine/run_attention.py): KV bytes read per second of
 the Triton decode kernel over each KV layout (pytest-benchmark; figures in extra_info, never
 asserted).
 
@@ -38,8 +38,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from allocator.serving import run_attention as ra  # noqa: E402
-from allocator.serving import run_kernels as rk  # noqa: E402
+from allocator.serving.engine import run_attention as ra  # noqa: E402
+from allocator.serving.engine import run_kernels as rk  # noqa: E402
 
 GEOMETRIES = {                       # name: (kv heads, query heads, head_dim)
     "qwen2.5-0.5b": (2, 14, 64),

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from allocator.serving.simulation import simulate
+from allocator.serving.sim.simulation import simulate
 from allocator.trace import RequestTrace
 
 TRACES = Path(os.environ.get("ODMA_TRACES",

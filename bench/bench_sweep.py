@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-from odma_hw import sweep
+from odma_cli import sweep
 
 REPO = Path(__file__).resolve().parents[1]
 GRID_24 = REPO / "bench" / "grids" / "emulate-24.toml"

@@ -6,7 +6,7 @@ transformers' own continuous batching (hf), on slices of the shared traces, in o
         [--max-num-batched-tokens N] [--card CARD | --extent-knee-tokens N]
         [--preemption swap]
 
-Every run is one `odma-hw engine` computation (allocator/serving/torch_engine.compute), so a row
+Every run is one `odma-hw engine` computation (allocator/serving/engine/cli.compute), so a row
 reproduces with the flags printed under the table. All requests arrive at once (the traces'
 lengths, not their times): the engine is saturated, as a throughput comparison needs.
 """
@@ -37,9 +37,9 @@ def lengths_only(name: str, folder: str) -> str:
 
 
 def main(argv=None) -> None:
-    from odma_hw.cli import build_parser
+    from odma_cli.main import build_parser
 
-    from allocator.serving.engine_cli import compute
+    from allocator.serving.engine.cli import compute
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="qwen2.5-0.5b")

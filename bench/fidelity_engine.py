@@ -7,8 +7,8 @@ shared traces on a torch device, `odma-hw simulate` predicts the same runs from 
 
 Every request of a slice arrives at once (the traces' lengths, not their times), prompts and
 outputs cut as for the engine's table; each (trace, policy, scheduler) is one engine run and one
-simulate run with the same flags (prefill-first, and chunked prefill at --budget tokens per
-step). The card is the only link between the two (its timing also gives extent and elastic
+simulate run of the same command line, only the command's name differs (prefill-first, and
+chunked prefill at --budget tokens per step). The card is the only link between the two (its timing also gives extent and elastic
 their knee in both): nothing is fitted to these runs.
 """
 
@@ -35,7 +35,16 @@ def odma_hw(*args) -> dict:
     return json.loads(out.stdout)
 
 
-def main(argv=None) -> int:
+def run_args(a, trace: str, sched: list) -> list[str]:
+    """The one command line of a row: `engine` and `simulate` run it as it is, nothing but the
+    command's name differs (tests/test_same_flags.py checks that both read it alike)."""
+    return ["--trace", trace, "--requests", str(a.requests), "--prompt-cap", str(a.prompt_cap),
+            "--output-cap", str(a.output_cap), "--model", a.model, "--dtype", "fp32",
+            "--card", a.card, "--kv-pool-gb", f"{a.kv_pool_gb:g}", "--max-batch",
+            str(a.max_batch), "--policy", a.policy, *sched]
+
+
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--card", required=True)
     p.add_argument("--model", default="qwen2.5-0.5b")
@@ -43,33 +52,24 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-cap", type=int, default=128)
     p.add_argument("--output-cap", type=int, default=32)
     p.add_argument("--max-batch", type=int, default=16)
-    p.add_argument("--kv-pool-mb", type=float, default=64.0)
+    p.add_argument("--kv-pool-gb", type=float, default=0.064)
     p.add_argument("--budget", type=int, default=256)
     p.add_argument("--policy", default="odma,paged")
     p.add_argument("--traces", default="azure_conv_2023.csv,sharegpt_8k.csv")
     p.add_argument("--json", action="store_true")
-    a = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> int:
+    a = parser().parse_args(argv)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in a.traces.split(","):
-            full = lengths_only(name, tmp)
-            # the cut slice as its own trace, so that simulate serves exactly what the engine does
-            with open(full) as f:
-                lines = f.read().splitlines()[1:a.requests + 1]
-            trace = os.path.join(tmp, f"cut-{name}")
-            with open(trace, "w") as g:
-                g.write("num_prefill_tokens,num_decode_tokens\n")
-                for line in lines:
-                    prompt, gen = map(int, line.split(","))
-                    g.write(f"{min(prompt, a.prompt_cap)},{max(1, min(gen, a.output_cap))}\n")
+            trace = lengths_only(name, tmp)
             for sched in ([], ["--max-num-batched-tokens", str(a.budget)]):
-                common = ["--trace", trace, "--model", a.model, "--max-batch", str(a.max_batch),
-                          "--policy", a.policy, *sched]
-                # the card gives the engine's extents the knee simulate derives from it
-                eng = odma_hw("engine", *common, "--kv-pool-mb", str(a.kv_pool_mb),
-                              "--card", a.card)
-                sim = odma_hw("simulate", *common, "--device", a.card, "--dtype", "fp32",
-                              "--kv-pool-gb", str(a.kv_pool_mb / 1e3))
+                # the card also gives the engine's extents the knee simulate derives from it
+                eng = odma_hw("engine", *run_args(a, trace, sched))
+                sim = odma_hw("simulate", *run_args(a, trace, sched))
                 for e, s in zip(eng["results"], sim["results"]):
                     row = {"trace": name.removesuffix(".csv"), "policy": e["policy"],
                            "scheduler": f"chunked {a.budget}" if sched else "prefill-first"}

@@ -23,7 +23,7 @@ import sys
 
 import numpy as np
 
-from allocator.serving.simulation import simulate
+from allocator.serving.sim.simulation import simulate
 from allocator.trace import RequestTrace
 
 BLOG = "blog.vllm.ai/2026/04/22/fp8-kvcache.html"

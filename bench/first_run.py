@@ -20,9 +20,9 @@ import time
 import numpy as np
 import torch
 
-from allocator.serving.engine_cli import warmup_prompts
+from allocator.serving.engine.cli import warmup_prompts
+from allocator.serving.engine.serve import build_model, prompt_ids, serve
 from allocator.serving.models import load_config
-from allocator.serving.torch_engine import build_model, prompt_ids, serve
 from allocator.trace import load_trace
 
 

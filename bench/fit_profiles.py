@@ -24,9 +24,8 @@ import sys
 
 import numpy as np
 
-from allocator.serving.simulation import simulate
-from allocator.serving.profiles import (engine_profile, load_profile, model_path,
-                                        profile_names)
+from allocator.serving.cards.profiles import engine_profile, load_profile, model_path, profile_names
+from allocator.serving.sim.simulation import simulate
 from allocator.trace import RequestTrace
 
 SCHEDULERS = {"v0": dict(paged_layout="v06"),

@@ -26,10 +26,10 @@ import sys
 import time
 from pathlib import Path
 
-from allocator.serving.simulation import simulate
-from allocator.serving.engine import PrefixSettings
-from allocator.serving.presets import model_spec
-from allocator.serving.timing import EmuSettings
+from allocator.serving.cards.presets import model_spec
+from allocator.serving.sim.replica import PrefixSettings
+from allocator.serving.sim.simulation import simulate
+from allocator.serving.sim.timing import EmuSettings
 from allocator.serving.workloads import chat, text_analysis
 
 TRACES = Path(os.environ.get("ODMA_TRACES", Path(__file__).resolve().parents[2] / "shared" /
@@ -105,7 +105,7 @@ def map_(args) -> None:
     elastic policy against the better of the two."""
     import numpy as np
 
-    from odma_hw import plotting
+    from odma_cli import plotting
 
     trace = TRACES / "azure_conv_2023.csv"
     base = dict(requests=args.requests, max_model_len=8192, clip=True, seed=args.seed,

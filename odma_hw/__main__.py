@@ -1,5 +1,5 @@
 import sys
 
-from odma_hw.cli import main
+from odma_cli.main import main
 
 sys.exit(main())

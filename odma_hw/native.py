@@ -8,7 +8,7 @@ and limits are read from the shim (the integer #defines of native/odma.h, which 
 
 from __future__ import annotations
 
-from odma_hw.errors import BadArgument, DeviceError, DeviceUnavailable, OdmaError
+from odma_cli.errors import BadArgument, DeviceError, DeviceUnavailable, OdmaError
 
 try:
     from odma_hw._native import ffi, lib

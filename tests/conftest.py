@@ -33,7 +33,7 @@ def _quiet_host(monkeypatch):
     run, a helper's build): tests that count the engine's stderr lines must not see it, so it
     is off here; tests/test_engine.py sets the share it tests the warning with."""
     try:
-        from allocator.serving import engine_cli
+        from allocator.serving.engine import cli as engine_cli
     except ImportError:             # the tests that do not need the engine still run
         return
     monkeypatch.setattr(engine_cli, "OtherLoad", _QuietHost)

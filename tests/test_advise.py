@@ -9,10 +9,10 @@ import json
 import numpy as np
 import pytest
 
-from odma_hw.cli import main
+from odma_cli.main import main
 
-from allocator.serving import advise as adv
-from allocator.serving.simulation import simulate
+from allocator.serving.sim import advise as adv
+from allocator.serving.sim.simulation import simulate
 from allocator.trace import RequestTrace
 
 POLICIES = ["odma", "paged", "elastic", "static"]

@@ -10,9 +10,9 @@ import time
 
 import pytest
 
+from odma_cli.errors import BadArgument, DeviceError
 from odma_hw import devices
 from odma_hw.devices.base import Buffer, Device, DeviceInfo
-from odma_hw.errors import BadArgument, DeviceError
 
 from allocator import OutOfMemory
 

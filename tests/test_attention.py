@@ -11,10 +11,11 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from allocator import AllocatorConfig, PagedAllocator, RacmAllocator, StaleBlock  # noqa: E402
-from allocator.serving import live, live_attention  # noqa: E402
-from allocator.serving.presets import ModelSpec  # noqa: E402
+from allocator.serving.cards.presets import ModelSpec  # noqa: E402
+from allocator.serving.sim import live  # noqa: E402
+from allocator.serving.sim import live_attention  # noqa: E402
+from odma_cli.errors import BadArgument  # noqa: E402
 from odma_hw import devices  # noqa: E402
-from odma_hw.errors import BadArgument  # noqa: E402
 
 # 2 layers, 8 query heads sharing 2 KV heads (groups of 4), head_dim 16 (two v06 packs of 8)
 TINY = ModelSpec("tiny", layers=2, hidden=128, heads=8, kv_heads=2, head_dim=16, ffn=256,

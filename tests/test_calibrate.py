@@ -13,7 +13,7 @@ import os
 import numpy as np
 import pytest
 
-from odma_hw.cli import main
+from odma_cli.main import main
 
 try:
     import tomllib
@@ -23,9 +23,11 @@ except ImportError:                     # Python 3.10: the same parser, as a pac
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from allocator.serving import calibrate as cal  # noqa: E402
-from allocator.serving.calibration import cardfile, engine_steps, measure  # noqa: E402
-from allocator.serving.calibration import fit as calfit  # noqa: E402
+from allocator.serving.cards import cli as cal  # noqa: E402
+from allocator.serving.cards import write as cardfile  # noqa: E402
+from allocator.serving.cards import engine_steps  # noqa: E402
+from allocator.serving.cards import measure  # noqa: E402
+from allocator.serving.cards import fit as calfit  # noqa: E402
 
 REQUIRED = ("name", "bandwidth_gbps", "capacity_gb", "tflops_bf16", "timing", "link_gbps",
             "link_latency_us")
@@ -78,7 +80,7 @@ def test_a_quick_calibration_writes_a_card_with_every_required_key(calibrated):
 
 
 def test_the_probe_file_beside_the_card_loads_as_a_timing_source(calibrated):
-    from allocator.serving.timing import probe_timing
+    from allocator.serving.sim.timing import probe_timing
 
     folder, result, _ = calibrated
     with open(folder / "card.toml", "rb") as f:
@@ -150,7 +152,7 @@ def test_progress_goes_to_stderr_one_line_per_phase(calibrated):
 
 
 def test_the_simulator_reads_the_card(calibrated):
-    from allocator.serving import presets
+    from allocator.serving.cards import presets
 
     if not hasattr(presets, "load_card"):
         pytest.skip("this simulator reads no card files")
@@ -165,7 +167,7 @@ def test_the_simulator_reads_the_card(calibrated):
 
 
 def test_the_matmul_table_is_the_models_products_weighed_by_their_time(calibrated):
-    from allocator.serving.presets import model_spec
+    from allocator.serving.cards.presets import model_spec
 
     folder, result, _ = calibrated
     mm = result["matmul"]
@@ -189,8 +191,8 @@ def test_the_products_timed_are_the_engines_linear_layers(name):
     import torch
     import transformers
 
+    from allocator.serving.cards.presets import model_spec
     from allocator.serving.models import load_config
-    from allocator.serving.presets import model_spec
 
     config, _ = load_config(name)
     with torch.device("meta"):          # shapes only, no memory
@@ -428,7 +430,7 @@ def calibrate_to(out, *more) -> dict:
 
 
 def test_a_link_at_out_is_replaced_and_its_target_left_alone(tmp_path, measured_instantly):
-    from allocator.serving.presets import load_card
+    from allocator.serving.cards.presets import load_card
 
     cards, cal_dir = tmp_path / "cards", tmp_path / "cal"
     cards.mkdir()
@@ -455,7 +457,7 @@ def test_a_link_at_out_is_replaced_and_its_target_left_alone(tmp_path, measured_
 
 def test_a_json_out_is_a_json_card_that_simulate_and_the_engine_read(tmp_path, capsys,
                                                                      measured_instantly):
-    from allocator.serving.presets import load_card
+    from allocator.serving.cards.presets import load_card
 
     calibrate_to(tmp_path / "cpu.json")
     calibrate_to(tmp_path / "cpu.toml")
@@ -475,7 +477,7 @@ def test_a_json_out_is_a_json_card_that_simulate_and_the_engine_read(tmp_path, c
                       "--device", str(tmp_path / "cpu.json")])
     assert rc == 0, err
     # what `engine --card` reads the card for: extent's knee
-    from allocator.serving.engine_cli import card_knee
+    from allocator.serving.engine.cli import card_knee
 
     assert card_knee(str(tmp_path / "cpu.json"), 64, 4096) >= 1
 
@@ -508,7 +510,7 @@ def test_a_figure_no_card_may_hold_is_a_device_error_and_writes_nothing(
 # kernels, which read as the native probe's do, so a card takes the native probe's figures
 # where there is one (torch:cpu -> host, torch:cuda:N -> cuda:N, torch:mlu:N -> mlu:N)
 def no_native(*args, **kwargs):
-    from odma_hw.errors import DeviceUnavailable
+    from odma_cli.errors import DeviceUnavailable
 
     raise DeviceUnavailable("native shim not built (a test's stand-in)")
 
@@ -537,7 +539,7 @@ def test_torch_cpu_takes_its_memory_figures_from_the_host_native_probe_by_defaul
         (entry,) = json.load(f)["devices"]
     assert entry["device"] == "host" and entry["measured_for"] == "torch:cpu"
     assert entry["memory_source"] == "native probe of host (fake-gather)"
-    from allocator.serving.timing import probe_timing
+    from allocator.serving.sim.timing import probe_timing
 
     assert probe_timing(str(tmp_path / "c.probe.json")).seq_gbps == 20.0
     rc, out, err = run(["calibrate", "--quick", "--quiet", "--model", "tiny-llama",

@@ -12,14 +12,14 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from allocator.serving.datafile import Range
-from allocator.serving.engine import ServingSetup
-from allocator.serving.presets import (CARD_DIR, CARD_KEYS, LAYER_OVERHEAD_US,
-                                       REQUEST_OVERHEAD_US, accelerator, card_names, load_card,
-                                       model_spec)
-from allocator.serving.steptime import StepTimer
-from allocator.serving.timing import IdealTiming, make_timing
-from odma_hw.cli import main
+from allocator.serving.cards.datafile import Range
+from allocator.serving.cards.presets import (CARD_DIR, CARD_KEYS, LAYER_OVERHEAD_US,
+                                             REQUEST_OVERHEAD_US, accelerator, card_names,
+                                             load_card, model_spec)
+from allocator.serving.sim.replica import ServingSetup
+from allocator.serving.sim.steptime import StepTimer
+from allocator.serving.sim.timing import IdealTiming, make_timing
+from odma_cli.main import main
 
 QWEN = model_spec("deepseek-r1-distill-qwen-7b")
 
@@ -242,8 +242,9 @@ def test_ideal_timing_reads_paged_and_contiguous_kv_at_the_same_bandwidth(tmp_pa
         timer = StepTimer(setup, layout)
         r = SimpleNamespace()
         timer.linearize(r, 0, 1000, pages)
-        assert r.ab == 1000 * setup.kv_bytes_per_token
-        per_byte.append((r.a / r.ab, r.slope / r.sb))
+        assert r.kv_bytes_at_0 == 1000 * setup.kv_bytes_per_token
+        per_byte.append((r.kv_seconds_at_0 / r.kv_bytes_at_0,
+                         r.kv_seconds_per_step / r.kv_bytes_per_step))
     for seconds in per_byte:
         assert seconds == pytest.approx((1 / 200e9, 1 / 200e9))
 
@@ -576,7 +577,7 @@ def test_the_engines_read_table_prices_the_kv_in_place_of_the_memorys(tmp_path):
         blk = SimpleNamespace(pages=list(range(-(-ctx // 16))),
                               runs=lambda: [(0, 1)] * -(-ctx // 16))
         timer.linearize(r, 0, ctx, blk)
-        return r.a, timer
+        return r.kv_seconds_at_0, timer
     ctx = 1024
     secs, timer = kv_seconds(engine, "contiguous", ctx)
     run = ctx * timer.run_unit_bytes
@@ -687,8 +688,8 @@ def test_fuzzed_cards_and_probe_files_end_in_0_2_or_3_and_never_a_traceback(
     case that does otherwise is collected, so one run lists them all."""
     import random
 
-    from allocator.serving.engine_cli import card_knee
-    from odma_hw.errors import OdmaError
+    from allocator.serving.engine.cli import card_knee
+    from odma_cli.errors import OdmaError
 
     rng = random.Random(20261127)
     failures, codes = [], []

@@ -8,13 +8,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from allocator.serving.cards.presets import accelerator, model_spec
 from allocator.serving.core.requests import RequestState
-from allocator.serving.engine import ServingSetup, Simulation, run_policy
-from allocator.serving.presets import accelerator, model_spec
 from allocator.serving.core.scheduler import Scheduler
-from allocator.serving.timing import MeasuredTiming
+from allocator.serving.sim.replica import ServingSetup, Simulation, run_policy
+from allocator.serving.sim.timing import MeasuredTiming
 from allocator.trace import RequestTrace
-from odma_hw.cli import main
+from odma_cli.main import main
 
 QWEN = model_spec("deepseek-r1-distill-qwen-7b")
 MLU = accelerator("mlu370-x4")

@@ -1,4 +1,4 @@
-"""What every `odma-hw` command shares (odma_hw/cli.py main): how a failure of standard output ends.
+"""What every `odma-hw` command shares (odma_cli/main.py main): how a failure of standard output ends.
 
 Specification:
 - output that cannot be written (a full disk, an I/O error) ends the command with exit status 3 and

@@ -10,14 +10,14 @@ import numpy as np
 import pytest
 
 from allocator import AllocatorConfig, make_allocator
-from allocator.predictors import make_predictor
 from allocator.policies import POLICY
+from allocator.predictors import make_predictor
+from allocator.serving.cards.presets import accelerator, model_spec
 from allocator.serving.core.requests import RequestState
-from allocator.serving.engine import ServingSetup, Simulation
-from allocator.serving.presets import accelerator, model_spec
 from allocator.serving.core.scheduler import Scheduler
-from allocator.serving.timing import MeasuredTiming
-from odma_hw.errors import BadArgument
+from allocator.serving.sim.replica import ServingSetup, Simulation
+from allocator.serving.sim.timing import MeasuredTiming
+from odma_cli.errors import BadArgument
 
 BPT = 64
 

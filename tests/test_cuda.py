@@ -132,7 +132,7 @@ def test_driver_without_gpu_is_reported_as_no_device(tmp_path):
 
 
 def test_argument_errors_are_reported_before_the_driver_is_needed():
-    from odma_hw.errors import BadArgument
+    from odma_cli.errors import BadArgument
 
     if not native.available():
         pytest.skip(native.IMPORT_ERROR)
@@ -362,7 +362,7 @@ def test_gpu_measurements_are_positive_and_below_physics(gpu, pattern, granule):
 
 
 def test_gpu_bad_arguments(gpu):
-    from odma_hw.errors import BadArgument
+    from odma_cli.errors import BadArgument
 
     buf = gpu.alloc(4096)
     with pytest.raises(BadArgument):

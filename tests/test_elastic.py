@@ -9,13 +9,13 @@ import pytest
 from allocator import AllocatorConfig, OutOfMemory, make_allocator
 from allocator.buckets import align_up
 from allocator.extent import ElasticAllocator
-from allocator.predictors import make_predictor
 from allocator.policies import POLICY
+from allocator.predictors import make_predictor
+from allocator.serving.cards.presets import accelerator, model_spec
 from allocator.serving.core.requests import RequestState
-from allocator.serving.engine import ServingSetup, Simulation
-from allocator.serving.presets import accelerator, model_spec
 from allocator.serving.core.scheduler import Scheduler
-from allocator.serving.timing import MeasuredTiming
+from allocator.serving.sim.replica import ServingSetup, Simulation
+from allocator.serving.sim.timing import MeasuredTiming
 from test_allocator_fakes import pattern
 from test_extent import assert_accounting, assert_disjoint, snapshot
 

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from odma_hw.emu import derive, device_spec, simulate
+from odma_hw.emu import derive, device_spec, emulate
 from odma_hw.emu.checker import check
 from odma_hw.emu.state import C_ACT1, C_CAS, C_RD, C_REFAB
 
@@ -19,7 +19,7 @@ PATTERNS = ["seq", "rand", "strided", "mixed", "paged", "kvscan"]
 
 
 def run(spec, requests=1500, **kw):
-    s = simulate(spec, requests=requests, record=200_000, **kw)
+    s = emulate(spec, requests=requests, record=200_000, **kw)
     d = derive(device_spec(spec, mode=kw.get("mode"), bl=kw.get("bl")).channel)
     return s, d
 

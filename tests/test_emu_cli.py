@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from odma_hw.cli import main
+from odma_cli.main import main
 
 
 def test_json_output(capsys):

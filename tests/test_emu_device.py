@@ -4,10 +4,10 @@ import resource
 
 import pytest
 
+from odma_cli.errors import BadArgument
 from odma_hw import devices
 from odma_hw.devices import emu as emu_backend
 from odma_hw.emu.specs import PRESETS, device_spec
-from odma_hw.errors import BadArgument
 
 
 @pytest.fixture

@@ -7,13 +7,13 @@ spread of efficiency well under 0.5 % (the engine is deterministic for a given s
 
 import pytest
 
-from odma_hw.emu import derive, device_spec, simulate
+from odma_hw.emu import derive, device_spec, emulate
 
 N = 40_000
 
 
 def eff(spec="lpddr5-6400", pattern="rand", g=64, **kw):
-    return simulate(spec, pattern, g, kw.pop("requests", N), **kw).efficiency
+    return emulate(spec, pattern, g, kw.pop("requests", N), **kw).efficiency
 
 
 def generic_ceiling(spec, bursts, **overrides):
@@ -115,15 +115,15 @@ def test_deeper_queue_recovers_random_bandwidth():
 
 
 def test_multichannel_device_scales_with_channels():
-    one = simulate("lpddr5-6400", "rand", 64, 20_000)
-    many = simulate("mlu370-x4", "rand", 64, 24 * 20_000)
+    one = emulate("lpddr5-6400", "rand", 64, 20_000)
+    many = emulate("mlu370-x4", "rand", 64, 24 * 20_000)
     assert many.peak_gbps == pytest.approx(24 * one.peak_gbps)
     assert abs(many.efficiency - one.efficiency) < 0.05
-    assert simulate("mlu370-x4", "seq", 256, 200_000).efficiency >= 0.88
+    assert emulate("mlu370-x4", "seq", 256, 200_000).efficiency >= 0.88
 
 
 def test_stats_are_consistent():
-    s = simulate("lpddr5-6400", "rand", 64, 20_000, write_ratio=0.25)
+    s = emulate("lpddr5-6400", "rand", 64, 20_000, write_ratio=0.25)
     assert s.requests == s.reads + s.writes == 20_000
     assert s.bytes == 20_000 * 64
     assert s.row_hits + s.row_misses + s.row_conflicts == s.accesses
@@ -132,7 +132,7 @@ def test_stats_are_consistent():
     assert s.efficiency == pytest.approx(s.data_bus_utilisation)  # every burst is useful
     assert 0 < s.ca_bus_utilisation <= 1
     assert 0 < s.read_latency_mean_ns <= s.read_latency_p99_ns
-    seq = simulate("lpddr5-6400", "seq", 64, 20_000)
+    seq = emulate("lpddr5-6400", "seq", 64, 20_000)
     assert seq.row_hit_rate > 0.9 and s.row_hit_rate < 0.01
 
 

@@ -8,13 +8,12 @@ import dataclasses
 import numpy as np
 import pytest
 
-from odma_hw.emu import engine, state
-from odma_hw.emu import mapping, simulate
+from odma_cli.errors import BadArgument
+from odma_hw.emu import emulate, mapping, state, timing_loop
 from odma_hw.emu.mapping import address_map, decompose
 from odma_hw.emu.model import _options
 from odma_hw.emu.specs import Derived, derive, device_spec
 from odma_hw.emu.traces import generate
-from odma_hw.errors import BadArgument
 
 
 def _prepared(spec, pattern, requests, *, bl=None, write_ratio=0.3, refresh="allbank",
@@ -32,7 +31,8 @@ def _run(prepared, budget, record=0):
     stats = np.zeros((nch, state.N_S), np.int64)
     hist = np.zeros((nch, state.HIST_BINS), np.int64)
     log = np.zeros((record, state.LOG_COLS), np.int64) if record else None
-    states = engine.run(tp, opt, offsets, bank, row, bursts, wr, stats, hist, log, budget=budget)
+    states = timing_loop.run(tp, opt, offsets, bank, row, bursts, wr, stats, hist, log,
+                             budget=budget)
     assert states.done
     return stats, hist, log
 
@@ -77,7 +77,7 @@ def test_the_default_slices_are_sized_on_the_fly_and_give_the_same_result():
 
 def test_progress_is_reported_between_slices():
     seen = []
-    s = simulate("lpddr5-6400", "rand", 64, 5000, progress=lambda *a: seen.append(a))
+    s = emulate("lpddr5-6400", "rand", 64, 5000, progress=lambda *a: seen.append(a))
     assert seen[0] == ("trace", 0, 5000)
     timing = [a for a in seen if a[0] == "timing"]
     assert len(timing) >= 1 and timing[-1] == ("timing", s.accesses, s.accesses)
@@ -130,7 +130,7 @@ def test_access_bound_covers_every_generated_pattern():
 
 def _switches(**kw):
     """Read/write turnarounds in the command stream of a mixed run."""
-    s = simulate("lpddr5-6400", "rand", 64, 4000, write_ratio=0.4, refresh="none",
+    s = emulate("lpddr5-6400", "rand", 64, 4000, write_ratio=0.4, refresh="none",
                  record=100_000, **kw)
     col = s.log[np.isin(s.log[:, 1], (state.C_RD, state.C_WR)), 1]
     return int((col[1:] != col[:-1]).sum()), s.efficiency
@@ -164,18 +164,18 @@ def test_watermarks_are_strict_fractions_of_the_write_queue():
 ])
 def test_bad_policy_arguments(kw, match):
     with pytest.raises(BadArgument, match=match):
-        simulate("lpddr5-6400", "rand", 64, 100, **kw)
+        emulate("lpddr5-6400", "rand", 64, 100, **kw)
 
 
 def test_an_entry_per_burst_holds_half_as_many_64B_accesses():
     # 64 B = 2 bursts: 32 one-burst entries hold what 16 one-access entries hold
-    burst = simulate("lpddr5-6400", "rand", 64, 20_000, queue=32, queue_unit="burst")
-    access16 = simulate("lpddr5-6400", "rand", 64, 20_000, queue=16, queue_unit="access")
-    access32 = simulate("lpddr5-6400", "rand", 64, 20_000, queue=32, queue_unit="access")
+    burst = emulate("lpddr5-6400", "rand", 64, 20_000, queue=32, queue_unit="burst")
+    access16 = emulate("lpddr5-6400", "rand", 64, 20_000, queue=16, queue_unit="access")
+    access32 = emulate("lpddr5-6400", "rand", 64, 20_000, queue=32, queue_unit="access")
     assert abs(burst.efficiency - access16.efficiency) < 0.005
     assert access32.efficiency > burst.efficiency + 0.02
     # a one-burst request is one entry either way
-    one = [simulate("lpddr5-6400", "rand", 32, 20_000, write_ratio=0.3, queue_unit=u).as_dict()
+    one = [emulate("lpddr5-6400", "rand", 32, 20_000, write_ratio=0.3, queue_unit=u).as_dict()
            for u in ("burst", "access")]
     for d in one:
         d.pop("wall_seconds"), d.pop("requests_per_second"), d.pop("config")

@@ -2,9 +2,9 @@
 
 import pytest
 
+from odma_cli.errors import BadArgument
 from odma_hw.emu import derive, device_spec, preset_names
 from odma_hw.emu.specs import lpddr5
-from odma_hw.errors import BadArgument
 
 
 def test_lpddr5_6400_bg_bl16_matches_the_reference_table():

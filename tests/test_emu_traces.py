@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from odma_hw.emu import from_arrays, generate, read_trace_file, simulate
-from odma_hw.errors import BadArgument
+from odma_cli.errors import BadArgument
+from odma_hw.emu import from_arrays, generate, read_trace_file, emulate
 
 MB = 1 << 20
 
@@ -44,7 +44,7 @@ def test_text_trace(tmp_path):
     p.write_text("# address op [size]\n0x0 R\n\n4096 W 128\n0x2000 r  # comment\n")
     t = read_trace_file(str(p), granule=64, burst=32, device_bytes=MB)
     assert list(t.addr) == [0, 4096, 0x2000] and list(t.write) == [0, 1, 0] and list(t.size) == [64, 128, 64]
-    s = simulate("lpddr5-6400", trace=str(p), granularity=64)
+    s = emulate("lpddr5-6400", trace=str(p), granularity=64)
     assert s.requests == 3 and s.bytes == 256
 
 
@@ -60,12 +60,12 @@ def test_bad_text_traces_name_the_line(tmp_path, text, match):
     p = tmp_path / "bad.trace"
     p.write_text(text)
     with pytest.raises(BadArgument, match=match):
-        simulate("lpddr5-6400", trace=str(p), granularity=64)
+        emulate("lpddr5-6400", trace=str(p), granularity=64)
 
 
 def test_array_traces():
     t = from_arrays([0, 64, 1 << 20], [0, 1, 0], granule=64, burst=32, device_bytes=1 << 30)
-    assert simulate("lpddr5-6400", trace=t).requests == 3
+    assert emulate("lpddr5-6400", trace=t).requests == 3
     with pytest.raises(BadArgument, match="request 1: address .* beyond"):
         from_arrays([0, 1 << 40], granule=64, burst=32, device_bytes=1 << 30)
 
@@ -77,7 +77,7 @@ def test_unaligned_requests_cost_every_burst_they_touch():
 
     # user traces must be aligned (from_arrays checks); internal ones such as copies need not be
     tr = Trace(np.array([(1 << 20) - 1, 4096]), np.array([64, 64]), np.array([0, 1], np.uint8))
-    s = simulate("lpddr5-6400", trace=tr, granularity=32, refresh="none")
+    s = emulate("lpddr5-6400", trace=tr, granularity=32, refresh="none")
     assert s.commands["rd"] == 3 and s.commands["wr"] == 2
 
 

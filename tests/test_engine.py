@@ -13,14 +13,15 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from allocator.config import AllocatorConfig  # noqa: E402
-from allocator.serving import models, run_attention  # noqa: E402
-from allocator.serving.kv_runs import KVPool  # noqa: E402
-from allocator.serving import torch_engine as te  # noqa: E402
+from allocator.serving import models  # noqa: E402
+from allocator.serving.cards.presets import ModelSpec, accelerator  # noqa: E402
 from allocator.serving.core.requests import RequestState  # noqa: E402
-from allocator.serving.engine import ServingSetup, Simulation  # noqa: E402
-from allocator.serving.presets import ModelSpec, accelerator  # noqa: E402
-from allocator.serving.timing import MeasuredTiming  # noqa: E402
-from odma_hw.cli import main  # noqa: E402
+from allocator.serving.engine import run_attention  # noqa: E402
+from allocator.serving.engine import serve as te  # noqa: E402
+from allocator.serving.engine.kv_runs import KVPool  # noqa: E402
+from allocator.serving.sim.replica import ServingSetup, Simulation  # noqa: E402
+from allocator.serving.sim.timing import MeasuredTiming  # noqa: E402
+from odma_cli.main import main  # noqa: E402
 
 CONFIGS = ("tiny-llama", "tiny-qwen2", "tiny-mistral")
 POLICIES = ("odma", "static", "s3", "oracle", "paged", "extent", "elastic")
@@ -242,7 +243,7 @@ def test_a_busy_host_is_said_beside_the_run_it_slowed(tmp_path, capsys, monkeypa
     """The engine's times are the host's as much as the device's: when other processes took
     more than a small share of the CPUs during a policy's run, one warning line says so, and
     the JSON row carries the share (None where /proc/stat cannot tell)."""
-    from allocator.serving import engine_cli
+    from allocator.serving.engine import cli as engine_cli
 
     monkeypatch.setattr(engine_cli, "OtherLoad", type("Load", (), {"share": lambda self: share}))
     trace = tmp_path / "t.csv"
@@ -260,8 +261,8 @@ def test_a_busy_host_is_said_beside_the_run_it_slowed(tmp_path, capsys, monkeypa
 def test_engine_serves_extents_with_the_knee_of_a_card(tmp_path, capsys):
     """--card's probe timing gives extent and elastic the knee simulate would derive;
     --extent-knee-tokens overrides it; both policies' tokens pass the check."""
-    from allocator.serving.steptime import knee_tokens
-    from allocator.serving.timing import make_timing
+    from allocator.serving.sim.steptime import knee_tokens
+    from allocator.serving.sim.timing import make_timing
 
     (tmp_path / "probe.json").write_text(json.dumps({
         "schema": "odma-hw.probe/1",

@@ -41,13 +41,13 @@ safetensors_torch = pytest.importorskip("safetensors.torch")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from allocator.serving import calibrate as calibrate_module  # noqa: E402
 from allocator.serving import models  # noqa: E402
-from allocator.serving import torch_engine as te  # noqa: E402
-from allocator.serving.presets import model_from_config  # noqa: E402
+from allocator.serving.cards import cli as calibrate_module  # noqa: E402
+from allocator.serving.cards.presets import model_from_config  # noqa: E402
+from allocator.serving.engine import serve as te  # noqa: E402
 from allocator.trace import RequestTrace  # noqa: E402
+from odma_cli.errors import BadArgument, RunFailed  # noqa: E402
 from odma_hw.devices import torch_device  # noqa: E402
-from odma_hw.errors import BadArgument, RunFailed  # noqa: E402
 from test_inputs_robust import exit_code, one_line  # noqa: E402
 
 TINY = json.loads((models.CONFIG_DIR / "tiny-llama.json").read_text())
@@ -486,7 +486,7 @@ def test_models_too_large_for_memory_are_refused_in_well_under_2_gb(tmp_path):
                  ("f", dict(intermediate_size=2**31 - 1), []))]
     script = (
         "import json, sys\n"
-        "from odma_hw.cli import main\n"
+        "from odma_cli.main import main\n"
         "codes = [main(['engine', '--trace', sys.argv[1], '--model', m, '--policy', 'odma',"
         " *extra]) for m, extra in json.loads(sys.argv[2])]\n"
         "codes.append(main(['calibrate', '--model', json.loads(sys.argv[2])[0][0], '--out',"

@@ -28,11 +28,11 @@ from allocator import (AllocatorConfig, BadArgument, DuplicateRequest, Invariant
                        RequestBusy, StaleBlock, UnknownRequest, make_allocator)
 from allocator.extent import ExtentAllocator
 from allocator.replay import run_replay
+from allocator.serving.cards.presets import accelerator, model_spec
 from allocator.serving.core.requests import RequestState
-from allocator.serving.engine import ServingSetup, Simulation, run_policy
-from allocator.serving.presets import accelerator, model_spec
-from allocator.serving.steptime import StepTimer, extent_config, knee_tokens
-from allocator.serving.timing import MeasuredTiming
+from allocator.serving.sim.replica import ServingSetup, Simulation, run_policy
+from allocator.serving.sim.steptime import StepTimer, extent_config, knee_tokens
+from allocator.serving.sim.timing import MeasuredTiming
 from allocator.trace import RequestTrace, arrival_seconds
 from test_allocator_fakes import MemoryDevice, fill_grow_release, pattern
 from test_allocator_trust import SlowWriteDevice
@@ -616,13 +616,15 @@ def test_an_extent_is_read_as_a_contiguous_block_of_its_filled_tokens():
     r, c = types.SimpleNamespace(), types.SimpleNamespace()
     ext.linearize(r, 10, 1000, one)
     cont.linearize(c, 10, 1000, None)
-    assert r.a + 10 * r.slope == pytest.approx(c.a + 10 * c.slope)   # same read at ctx
-    assert r.slope == pytest.approx((read(2048) - read(1000)) / 1048)  # chord to full
-    assert (r.ab, r.sb) == (c.ab, c.sb)
+    # the same read at ctx
+    assert r.kv_seconds_at_0 + 10 * r.kv_seconds_per_step == pytest.approx(
+        c.kv_seconds_at_0 + 10 * c.kv_seconds_per_step)
+    assert r.kv_seconds_per_step == pytest.approx((read(2048) - read(1000)) / 1048)  # chord to full
+    assert (r.kv_bytes_at_0, r.kv_bytes_per_step) == (c.kv_bytes_at_0, c.kv_bytes_per_step)
     many = types.SimpleNamespace(extent_tokens=lambda: [1200, 256, 512, 64])
     ext.linearize(r, 0, 1200 + 256 + 100, many)                # the third one partly filled
-    assert r.a == pytest.approx(read(1200) + read(256) + read(100))
-    assert r.slope == pytest.approx((read(512) - read(100)) / 412)
+    assert r.kv_seconds_at_0 == pytest.approx(read(1200) + read(256) + read(100))
+    assert r.kv_seconds_per_step == pytest.approx((read(512) - read(100)) / 412)
 
 
 def test_one_long_request_appends_extents_and_reports_only_merges_as_migrations():

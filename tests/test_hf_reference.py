@@ -13,11 +13,11 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from allocator.serving import hf_reference as hf  # noqa: E402
 from allocator.serving import models  # noqa: E402
-from allocator.serving import torch_engine as te  # noqa: E402
 from allocator.serving.core.metrics import summarise_engine  # noqa: E402
-from odma_hw.errors import DeviceUnavailable  # noqa: E402
+from allocator.serving.engine import hf_reference as hf  # noqa: E402
+from allocator.serving.engine import serve as te  # noqa: E402
+from odma_cli.errors import DeviceUnavailable  # noqa: E402
 
 ON_CPU = not torch.cuda.is_available()
 # without an accelerator transformers sizes its cache against host memory read with psutil

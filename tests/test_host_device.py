@@ -17,9 +17,9 @@ import os
 import numpy as np
 import pytest
 
+from odma_cli.errors import BadArgument, DeviceError
 from odma_hw import devices, native
 from odma_hw.devices import host as host_backend
-from odma_hw.errors import BadArgument, DeviceError
 
 MIB = 1 << 20
 

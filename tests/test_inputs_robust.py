@@ -18,8 +18,8 @@ import pytest
 from allocator.config import MAX_BUCKETS, AllocatorConfig
 from allocator.serving import workloads
 from allocator.trace import MAX_LINE_CHARS, load_trace
-from odma_hw.cli import main
-from odma_hw.errors import BadArgument
+from odma_cli.errors import BadArgument
+from odma_cli.main import main
 
 
 def exit_code(argv) -> int:
@@ -144,7 +144,7 @@ def _load_in_one_gib(path):
     code = textwrap.dedent("""
         import resource, sys
         from allocator.trace import load_trace
-        from odma_hw.errors import BadArgument
+        from odma_cli.errors import BadArgument
         resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))
         try:
             load_trace(sys.argv[1])
@@ -199,7 +199,7 @@ def test_a_bucket_count_no_refresh_could_learn_is_refused_at_once():
 
 
 def test_simulate_refuses_too_many_buckets_before_any_work(tmp_path, capsys, monkeypatch):
-    import allocator.serving.simulate_cli as simulate_cli
+    import allocator.serving.sim.cli as simulate_cli
 
     def must_not_run(*a, **k):
         raise AssertionError("the simulation started before --buckets was checked")
@@ -431,7 +431,7 @@ def test_a_swap_space_no_byte_count_holds_is_refused_as_it_is_parsed(command, ch
                                                                     capsys):
     """Both take int(GB x 1e9) bytes: 1e300 GB overflowed it only once the engine had built its
     model. The largest that fits (2**63 - 1 bytes) is taken."""
-    from odma_hw.cli import build_parser
+    from odma_cli.main import build_parser
 
     argv = [command, "--trace", chat_trace, "--preemption", "swap", "--swap-space"]
     assert exit_code(argv + ["1e300"]) == 2

@@ -9,7 +9,7 @@ import inspect
 
 import pytest
 
-from allocator.serving import run_kernels
+from allocator.serving.engine import run_kernels
 
 triton = pytest.importorskip("triton")
 

@@ -1,6 +1,9 @@
-"""The house's arrows point down: the hardware layer (odma_hw) never imports the allocator
-(which is built on it), and no module imports another module's private names. The command line
-and the sweep reach the allocator's commands only through the registry (odma_hw/commands.py)."""
+"""The house's arrows point down: the shell (odma_cli: command line, registry, errors, JSON,
+plots, TOML, sweep) imports neither package above it, the hardware layer (odma_hw) never imports
+the allocator (which is built on it), and no module imports another module's private names. The
+command line and the sweep reach every command only through the registry
+(odma_cli/commands.py), and neither the shell nor the hardware layer names an allocator command
+or compares a policy name."""
 
 from __future__ import annotations
 
@@ -11,7 +14,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("odma_hw", "allocator")
+PACKAGES = ("odma_cli", "odma_hw", "allocator")
 
 
 def modules():
@@ -33,13 +36,56 @@ def imports(path: Path):
 
 def test_the_modules_are_found():
     found = {str(p) for p in modules()}
-    assert "odma_hw/cli.py" in found and "allocator/serving/engine.py" in found
+    assert {"odma_cli/main.py", "odma_hw/probe/cli.py", "allocator/serving/sim/replica.py"} <= found
 
 
-@pytest.mark.parametrize("path", [p for p in modules() if p.parts[0] == "odma_hw"], ids=str)
-def test_the_hardware_layer_never_imports_the_allocator(path):
-    above = [m for m, _ in imports(path) if m == "allocator" or m.startswith("allocator.")]
+# what each package may not import: every package above it
+ABOVE = {"odma_cli": ("odma_hw", "allocator"), "odma_hw": ("allocator",), "allocator": ()}
+
+
+@pytest.mark.parametrize("path", [p for p in modules() if ABOVE[p.parts[0]]], ids=str)
+def test_no_package_imports_one_above_it(path):
+    above = [m for m, _ in imports(path) if m.split(".")[0] in ABOVE[path.parts[0]]]
     assert not above, f"{path} imports {above}"
+
+
+def allocator_commands() -> set:
+    """The commands the allocator's modules implement (pyproject.toml's entry points)."""
+    try:
+        import tomllib
+    except ImportError:                 # Python 3.10
+        import tomli as tomllib
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        group = tomllib.load(f)["project"]["entry-points"]["odma_cli.commands"]
+    return {name for name, module in group.items() if module.startswith("allocator.")}
+
+
+def command_names_spelt(path: Path, commands: set) -> list:
+    """(line, name) of every string constant in the module that is exactly a command's name
+    (a dict key, a comparison, a default): how a lower layer would come to depend on one."""
+    tree = ast.parse((ROOT / path).read_text(), str(path))
+    docstrings = {id(n.body[0].value) for n in ast.walk(tree)
+                  if isinstance(n, (ast.Module, ast.FunctionDef, ast.ClassDef))
+                  and n.body and isinstance(n.body[0], ast.Expr)}
+    return [(n.lineno, n.value) for n in ast.walk(tree)
+            if isinstance(n, ast.Constant) and isinstance(n.value, str) and n.value in commands
+            and id(n) not in docstrings]
+
+
+@pytest.mark.parametrize("path", [p for p in modules() if p.parts[0] != "allocator"], ids=str)
+def test_neither_the_shell_nor_the_hardware_layer_names_an_allocator_command(path):
+    """The sweep asks a command for its default metric and its options' units, and probe asks
+    the entry point that reads models: none of them spells an allocator command's name."""
+    found = command_names_spelt(path, allocator_commands())
+    assert not found, f"{path} names allocator commands: {found}"
+
+
+def test_the_check_finds_a_command_name(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    (tmp_path / "m.py").write_text('"""simulate"""\nMETRICS = {"simulate": "output_tps"}\n'
+                                   'if command == "replay":\n    pass\n')
+    assert command_names_spelt(Path("m.py"), {"simulate", "replay"}) == [(2, "simulate"),
+                                                                          (3, "replay")]
 
 
 @pytest.mark.parametrize("path", list(modules()), ids=str)
@@ -50,8 +96,8 @@ def test_no_module_imports_another_modules_private_names(path):
 
 
 def test_every_command_is_registered_and_has_a_parser():
-    from odma_hw.cli import build_parser
-    from odma_hw.commands import registry
+    from odma_cli.commands import registry
+    from odma_cli.main import build_parser
 
     sub = next(a for a in build_parser()._actions if a.dest == "command")
     assert set(registry()) == set(sub.choices)
@@ -60,8 +106,8 @@ def test_every_command_is_registered_and_has_a_parser():
 
 
 def test_a_command_whose_module_cannot_load_is_reported_not_fatal(monkeypatch, capsys):
-    from odma_hw.cli import main
-    from odma_hw.commands import registry
+    from odma_cli.commands import registry
+    from odma_cli.main import main
 
     monkeypatch.setitem(registry(), "broken", "odma_hw.no_such_module")
     assert main(["broken"]) == 3
@@ -135,7 +181,7 @@ def test_every_folder_of_code_or_data_ships_in_the_distribution():
         import tomli as tomllib
     with open(ROOT / "pyproject.toml", "rb") as f:
         listed = set(tomllib.load(f)["tool"]["setuptools"]["packages"])
-    folders = {p.parent.relative_to(ROOT) for top in ("allocator", "odma_hw")
+    folders = {p.parent.relative_to(ROOT) for top in PACKAGES
                for p in (ROOT / top).rglob("*") if p.suffix in (".py", ".toml", ".json")
                and "__pycache__" not in p.parts}
     missing = sorted(str(f).replace("/", ".") for f in folders

@@ -21,12 +21,12 @@ import pytest
 
 from allocator import OracleAllocator
 from allocator.errors import AllocatorClosed, InvariantBroken, StaleBlock
-from allocator.prefix import (EVICTIONS, TIERS, PrefixCache, TierBandwidth, prefix_key)
+from allocator.prefix import EVICTIONS, TIERS, PrefixCache, TierBandwidth, prefix_key
 from allocator.prefix import cache as cache_module
 from allocator.prefix import disk as disk_module
 from allocator.prefix.kernels import copy_digest, digest
+from odma_cli.errors import BadArgument, DeviceError
 from odma_hw import devices
-from odma_hw.errors import BadArgument, DeviceError
 
 BPT = 256                           # bytes per token: small, so every test runs in milliseconds
 BW = TierBandwidth(device_copy_gbps=100.0)

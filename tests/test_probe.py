@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from odma_hw import cli
+from odma_cli import main as cli
+from odma_cli.commands import model_head_dim
+from odma_cli.errors import BadArgument
 from odma_hw.devices import host as host_backend
 from odma_hw.devices.base import Device, DeviceInfo, Measurement
-from odma_hw.errors import BadArgument
-from odma_hw.commands import model_head_dim
 from odma_hw.probe.cli import format_table
 from odma_hw.probe.measure import classify, plan_probe, probe_device
 from odma_hw.probe.runs import KVRun, knee, parse_granularities, ratio_at

@@ -9,11 +9,11 @@ import re
 
 import pytest
 
-from allocator.serving.presets import accelerator
-from allocator.serving.profiles import (PROFILE_DIR, TERMS, engine_profile, load_profile,
-                                        model_path, profile_names)
-from odma_hw.cli import main
-from odma_hw.errors import BadArgument
+from allocator.serving.cards.presets import accelerator
+from allocator.serving.cards.profiles import (PROFILE_DIR, TERMS, engine_profile, load_profile,
+                                              model_path, profile_names)
+from odma_cli.errors import BadArgument
+from odma_cli.main import main
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 GOOD = """name = "mine"

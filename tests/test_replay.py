@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from allocator.replay import Trace, load_trace, run_replay
-from odma_hw.cli import main
+from odma_cli.main import main
 
 TRACES = Path(os.environ.get("ODMA_TRACES",
                              Path(__file__).resolve().parents[1].parent / "shared" / "traces"))
@@ -112,6 +112,7 @@ def exit_code(argv) -> int:
     (["--pool-gib", "nan"], "--pool-gib"),
     (["--pool-gib", "inf"], "--pool-gib"),
     (["--pool-gib", "1e300"], "--pool-gib"),
+    (["--kv-pool-gb", "1"], "--pool-gib is the older spelling of --kv-pool-gb"),
     (["--seed", "-1"], "--seed"),
     (["--rate", "1e-300"], "30 days"),
     (["--time-scale", "0"], "--time-scale"),
@@ -127,6 +128,24 @@ def test_cli_bad_usage_exits_2_with_one_line(tmp_path, capsys, args, message):
     assert exit_code(argv) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1
+
+
+def test_the_pool_is_given_in_gb_as_simulate_and_engine_take_it(tmp_path, capsys):
+    """--kv-pool-gb (1e9 B) is the one name of the pool across commands; --pool-gib (2^30 B)
+    stays as its older spelling and sizes the same pool."""
+    path = tmp_path / "t.csv"
+    path.write_text("num_prefill_tokens,num_decode_tokens\n10,20\n5,5\n")
+    base = ["replay", "--trace", str(path), "--device", "none", "--json"]
+    runs = []
+    for pool in (["--kv-pool-gb", str(2**30 / 1e9 / 64)], ["--pool-gib", str(1 / 64)]):
+        assert main(base + pool) == 0
+        run = json.loads(capsys.readouterr().out)
+        run.pop("wall_seconds")
+        runs.append(run)
+    assert runs[0] == runs[1]
+    assert exit_code(base + ["--kv-pool-gb", "1e300"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--kv-pool-gb must be in" in err and len(err.splitlines()) == 1
 
 
 @pytest.mark.parametrize("content, message", [
@@ -158,7 +177,7 @@ def test_a_directory_is_named_as_one_and_a_bom_is_fine(tmp_path, capsys):
 
 
 def test_malformed_trace_is_bad_argument(tmp_path):
-    from odma_hw.errors import BadArgument
+    from odma_cli.errors import BadArgument
     path = tmp_path / "t.csv"
     path.write_text("num_prefill_tokens,other\n1,2\n")
     with pytest.raises(BadArgument, match="num_decode_tokens"):

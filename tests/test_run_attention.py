@@ -1,4 +1,4 @@
-"""Run-table attention (allocator/serving/run_attention.py): the torch reference and the Triton
+"""Run-table attention (allocator/serving/engine/run_attention.py): the torch reference and the Triton
 kernels against a dense attention over K/V assembled plainly from each request's regions, on
 every KV layout (one region per request, uneven extents, scattered 16-token pages, 1-token
 pages), odd head counts, GQA, 1-token contexts and runs, a 1,000-run request, padded empty
@@ -26,9 +26,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from allocator.serving import run_attention as ra  # noqa: E402
-from allocator.serving import run_kernels as rk  # noqa: E402
-from odma_hw.errors import BadArgument  # noqa: E402
+from allocator.serving.engine import run_attention as ra  # noqa: E402
+from allocator.serving.engine import run_kernels as rk  # noqa: E402
+from odma_cli.errors import BadArgument  # noqa: E402
 
 LAYERS = 2
 LAYER = 1                       # the layer read: offsets of layer 1 exercise the layer stride

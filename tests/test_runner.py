@@ -15,12 +15,13 @@ pytest.importorskip("transformers")
 
 from allocator.config import AllocatorConfig  # noqa: E402
 from allocator.policies import make_allocator  # noqa: E402
-from allocator.serving import models, run_attention  # noqa: E402
-from allocator.serving.kv_runs import KVPool  # noqa: E402
-from allocator.serving.runner import graph_sizes  # noqa: E402
-from allocator.serving.torch_engine import use_graphs  # noqa: E402
-from odma_hw.cli import main  # noqa: E402
-from odma_hw.errors import BadArgument  # noqa: E402
+from allocator.serving import models  # noqa: E402
+from allocator.serving.engine import run_attention  # noqa: E402
+from allocator.serving.engine.kv_runs import KVPool  # noqa: E402
+from allocator.serving.engine.runner import graph_sizes  # noqa: E402
+from allocator.serving.engine.serve import use_graphs  # noqa: E402
+from odma_cli.errors import BadArgument  # noqa: E402
+from odma_cli.main import main  # noqa: E402
 
 TRACE_ROWS = "num_prefill_tokens,num_decode_tokens\n12,4\n30,3\n"
 
@@ -115,8 +116,8 @@ def test_padded_decode_graph_steps_make_generates_tokens(monkeypatch):
     """The decode graphs' static buffers, padding and table packing, replayed eagerly on the
     CPU (a CUDA graph replays exactly what it captured): every policy's tokens are still
     generate()'s, with batches that pad up to a larger size and lanes left empty."""
-    from allocator.serving import runner as runner_mod
-    from allocator.serving import torch_engine as te
+    from allocator.serving.engine import runner as runner_mod
+    from allocator.serving.engine import serve as te
 
     class Replay:
         def __init__(self, graphs, size):
@@ -165,7 +166,7 @@ def test_a_capture_that_fails_once_is_tried_again_with_the_collector_kept_out(mo
     import gc
     import io
 
-    from allocator.serving import runner as runner_mod
+    from allocator.serving.engine import runner as runner_mod
 
     tries = []
 
@@ -189,8 +190,8 @@ def test_a_failed_capture_runs_eagerly_after_one_line():
     line; its steps then run eagerly."""
     import io
 
-    from allocator.serving import runner as runner_mod
-    from allocator.serving import torch_engine as te
+    from allocator.serving.engine import runner as runner_mod
+    from allocator.serving.engine import serve as te
 
     cfg, _ = models.load_config("tiny-llama")
     model = te.build_model(cfg, "float32", "cpu", seed=0)

@@ -13,13 +13,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from allocator.serving.simulate_report import format_table, plot
-from allocator.serving.simulation import simulate
-from allocator.serving.engine import ServingSetup, run_policy
-from allocator.serving.presets import accelerator, model_spec
-from allocator.serving.timing import EmuSettings, EmuTiming, MeasuredTiming, probe_timing
+from allocator.serving.cards.presets import accelerator, model_spec
+from allocator.serving.sim.replica import ServingSetup, run_policy
+from allocator.serving.sim.report import format_table, plot
+from allocator.serving.sim.simulation import simulate
+from allocator.serving.sim.timing import EmuSettings, EmuTiming, MeasuredTiming, probe_timing
 from allocator.trace import RequestTrace, arrival_seconds
-from odma_hw.cli import main
+from odma_cli.main import main
 
 TRACES = Path(os.environ.get("ODMA_TRACES",
                              Path(__file__).resolve().parents[1].parent / "shared" / "traces"))
@@ -190,7 +190,7 @@ def test_emulated_efficiencies_are_cached_on_disk(mlu_timing, monkeypatch):
 
     def no_emulation(*a, **k):
         raise AssertionError("the emulator ran although the efficiencies were cached")
-    monkeypatch.setattr(emu, "simulate", no_emulation)
+    monkeypatch.setattr(emu, "emulate", no_emulation)
     again = EmuTiming(MLU.bandwidth_gbps, EmuSettings(preset="mlu370-x4"))
     assert again.run_gbps(4096) == pytest.approx(mlu_timing.run_gbps(4096))
     assert again.seq_gbps == mlu_timing.seq_gbps
@@ -231,9 +231,36 @@ def small_trace(tmp_path):
     return str(path)
 
 
+def test_several_cards_run_in_turn_a_table_each(small_trace, capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("ODMA_CACHE_DIR", str(tmp_path / "cache"))
+    assert main(["simulate", "--trace", small_trace, "--policy", "odma,paged", "--json",
+                 "--card", "a100-80gb,mlu370-x4"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert [(r["settings"]["device"], r["policy"]) for r in doc["results"]] == [
+        ("a100-80gb", "odma"), ("a100-80gb", "paged"), ("mlu370-x4", "odma"),
+        ("mlu370-x4", "paged")]
+    # each card's rows are what that card gives alone, and --device is the older spelling
+    assert main(["simulate", "--trace", small_trace, "--policy", "odma,paged", "--json",
+                 "--device", "mlu370-x4"]) == 0
+    alone = json.loads(capsys.readouterr().out)["results"]
+    strip = [{k: v for k, v in r.items() if k != "wall_seconds"} for r in alone]
+    assert strip == [{k: v for k, v in r.items() if k != "wall_seconds"}
+                     for r in doc["results"][2:]]
+    assert main(["simulate", "--trace", small_trace, "--policy", "odma",
+                 "--card", "a100-80gb,mlu370-x4"]) == 0
+    out = capsys.readouterr().out
+    heads = [line for line in out.splitlines() if "TP1 x 1 replica(s)," in line]
+    assert [h.split()[0] for h in heads] == ["a100-80gb", "mlu370-x4"]
+
+
 @pytest.mark.parametrize("args, message", [
     (["--model", "gpt-5"], "--model"),
     (["--device", "tpu"], "--device"),
+    (["--card", "tpu"], "unknown --card 'tpu'"),
+    (["--card", "mlu370-x4,tpu"], "unknown --card 'tpu'"),     # refused before the first card
+    (["--card", ","], "expected CARD[,CARD...]"),
+    (["--card", "a100-80gb", "--device", "a100-80gb"], "older spelling of --card"),
+    (["--device", "torch:cpu"], "name the card with --card"),
     (["--policy", "odma,magic"], "unknown policy"),
     (["--rate", "0"], "--rate"),
     (["--rate", "-1"], "--rate"),
@@ -344,7 +371,7 @@ def test_chat_workload_grows_each_conversation_from_its_last_turn():
 
 
 def test_a_prefix_column_must_fit_its_prompt(tmp_path):
-    from odma_hw.errors import BadArgument
+    from odma_cli.errors import BadArgument
 
     bad = tmp_path / "bad.csv"
     bad.write_text("num_prefill_tokens,num_decode_tokens,prefix_id,prefix_tokens\n10,5,a,11\n")
@@ -361,7 +388,7 @@ def _ta(k=400, n=32, seed=5):
 
 
 def _tiers(trace, device, host, disk, **kw):
-    from allocator.serving.engine import PrefixSettings
+    from allocator.serving.sim.replica import PrefixSettings
 
     per = float(np.mean(list(dict(zip(trace.prefix_id, trace.prefix_tokens)).values())))
     gb = per * QWEN.kv_bytes_per_token / 1e9
@@ -419,7 +446,7 @@ def test_prefix_cache_on_a_trace_without_prefixes_exits_2(small_trace, capsys):
 
 
 def test_a_live_torch_timing_drives_a_simulation_above_the_floor():
-    from allocator.serving.timing import live_timing
+    from allocator.serving.sim.timing import live_timing
 
     t = live_timing("torch:cpu", sizes=(4096, 65536), buffer_bytes=16 << 20)
     assert t.source == "live:torch:cpu" and t.seq_gbps > 0
@@ -437,7 +464,7 @@ def test_an_unknown_timing_source_is_refused_in_one_line(small_trace, capsys):
 
 # ------------------------------------------------------------------------ nothing lost
 def _fail_paged(monkeypatch, exc):
-    from allocator.serving import simulation
+    from allocator.serving.sim import simulation
 
     real = simulation.run_policy
 
@@ -450,7 +477,7 @@ def _fail_paged(monkeypatch, exc):
 
 
 def test_one_failed_run_keeps_the_others_results_and_exits_3(small_trace, capsys, monkeypatch):
-    from odma_hw.errors import BadArgument
+    from odma_cli.errors import BadArgument
 
     _fail_paged(monkeypatch, BadArgument("the pool broke"))
     assert main(["simulate", "--trace", small_trace, "--json", "--rate", "1,2",
@@ -459,8 +486,10 @@ def test_one_failed_run_keeps_the_others_results_and_exits_3(small_trace, capsys
     doc = json.loads(out)
     assert [(r["rate"], r["policy"]) for r in doc["results"]] == [
         (1.0, "odma"), (1.0, "static"), (2.0, "odma"), (2.0, "static")]
-    assert doc["failed"] == [{"policy": "paged", "rate": 1.0, "error": "the pool broke"},
-                             {"policy": "paged", "rate": 2.0, "error": "the pool broke"}]
+    # each failure names its card too (with --card a,b, one of several)
+    assert doc["failed"] == [
+        {"policy": "paged", "rate": 1.0, "error": "the pool broke", "card": "mlu370-x4"},
+        {"policy": "paged", "rate": 2.0, "error": "the pool broke", "card": "mlu370-x4"}]
     lines = err.strip().splitlines()
     assert len(lines) == 1 and "2 of 6 runs failed" in lines[0] and "the pool broke" in lines[0]
 
@@ -499,7 +528,7 @@ def test_a_plot_that_fails_after_the_work_exits_3_with_the_results_printed(
 
 @pytest.mark.parametrize("streams", [7, 1000, 1 << 16])
 def test_a_run_trace_is_as_long_as_asked_however_many_streams(streams):
-    from allocator.serving.timing import REQUEST_BYTES, run_trace
+    from allocator.serving.sim.timing import REQUEST_BYTES, run_trace
 
     total, run, footprint = 1 << 20, 1 << 16, 1 << 30
     t = run_trace(total, run, footprint, streams=streams, chunk_bytes=2048)
@@ -540,9 +569,9 @@ def test_check_only_makes_every_check_before_the_work(small_trace, tmp_path, mon
                                                       message):
     """What a sweep's pre-flight calls: the refusals simulate makes before any work, and no
     emulator run for the values that pass."""
-    from odma_hw.cli import build_parser
-    from odma_hw.errors import OdmaError
-    from allocator.serving.simulate_cli import compute
+    from allocator.serving.sim.cli import compute
+    from odma_cli.errors import OdmaError
+    from odma_cli.main import build_parser
 
     monkeypatch.setenv("ODMA_CACHE_DIR", str(tmp_path / "fresh-cache"))
     parse = build_parser().parse_args
@@ -573,7 +602,7 @@ def test_table_without_clip_says_nothing_of_it(tmp_path, monkeypatch):
 
 
 def test_every_plot_panel_labels_its_y_axis(tmp_path, monkeypatch):
-    from odma_hw import plotting
+    from odma_cli import plotting
 
     monkeypatch.setenv("ODMA_CACHE_DIR", str(tmp_path / "cache"))
     results = simulate(trace_with_long_requests(), ["odma", "paged"], rates=(1.0, 2.0),
@@ -581,12 +610,35 @@ def test_every_plot_panel_labels_its_y_axis(tmp_path, monkeypatch):
     saved = []
     monkeypatch.setattr(plotting, "save", lambda fig, path: saved.append(fig))
     plot(results, str(tmp_path / "p.png"))
-    labels = [ax.get_ylabel() for ax in saved[-1].axes]
-    assert labels == ["output tokens/s", "running requests", "share of KV pool reserved"]
+    fig = saved[-1]
+    labels = [ax.get_ylabel() for ax in fig.axes]
+    assert labels == ["output tokens/s", "p99 latency (ms): TPOT solid, TTFT dashed",
+                      "running requests", "share of KV pool reserved"]
+    # the title names the model, the card and the trace; a line per policy against load
+    assert "deepseek-r1-distill-qwen-7b" in fig._suptitle.get_text()
+    assert "mlu370-x4" in fig._suptitle.get_text()
+    assert [len(line.get_xdata()) for line in fig.axes[0].lines] == [2, 2]
+
+
+def test_the_plot_sets_several_cards_side_by_side(tmp_path, monkeypatch):
+    """With one load the first panels are bars, one per policy and card."""
+    from odma_cli import plotting
+
+    monkeypatch.setenv("ODMA_CACHE_DIR", str(tmp_path / "cache"))
+    results = [r for card in ("mlu370-x4", "a100-80gb")
+               for r in simulate(trace_with_long_requests(), ["odma", "paged"], device=card,
+                                 max_model_len=8192)]
+    saved = []
+    monkeypatch.setattr(plotting, "save", lambda fig, path: saved.append(fig))
+    plot(results, str(tmp_path / "p.png"))
+    ticks = [t.get_text() for t in saved[-1].axes[0].get_xticklabels()]
+    assert ticks == ["odma on mlu370-x4", "paged/hnd on mlu370-x4", "odma on a100-80gb",
+                     "paged/hnd on a100-80gb"]
+    assert "mlu370-x4, a100-80gb" in saved[-1]._suptitle.get_text()
 
 
 def test_progress_counts_every_replica_and_prints_at_most_once_a_second(mlu_timing, monkeypatch):
-    from allocator.serving import engine as engine_mod
+    from allocator.serving.sim import replica as engine_mod
 
     trace = synthetic(400, seed=4)
     calls = []
@@ -620,7 +672,7 @@ QWEN_7B_CONFIG = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
 
 
 def test_a_hugging_face_config_is_the_model_its_preset_describes(tmp_path):
-    from allocator.serving.presets import model_spec
+    from allocator.serving.cards.presets import model_spec
 
     folder = tmp_path / "DeepSeek-R1-Distill-Qwen-7B"
     folder.mkdir()

@@ -11,15 +11,18 @@ import types
 import numpy as np
 import pytest
 
-from allocator.serving import cli, engine_cli, simulate_cli
+from allocator.serving import options as cli
+
 from allocator.serving.core.metrics import (ITL_MEAN_GAPS, ITL_TOKEN_TIMES, parse_goodput,
                                             request_metrics, weighted_percentiles)
 from allocator.serving.core.requests import RequestState
-from odma_hw.cli import main
-from odma_hw.errors import BadArgument
-from odma_hw.sweep import report
-from odma_hw.sweep.grid import Grid
-from odma_hw.sweep.log import flatten
+from allocator.serving.engine import cli as engine_cli
+from allocator.serving.sim import cli as simulate_cli
+from odma_cli.errors import BadArgument
+from odma_cli.main import main
+from odma_cli.sweep import report
+from odma_cli.sweep.grid import Grid
+from odma_cli.sweep.log import flatten
 
 
 @pytest.fixture(autouse=True)
@@ -224,7 +227,7 @@ def test_the_engine_pool_in_gb_with_mb_as_its_alias(gb, mb, expected):
 
 
 def test_the_engine_parser_takes_the_shared_options():
-    from odma_hw.cli import build_parser
+    from odma_cli.main import build_parser
 
     parser = build_parser()
     a = parser.parse_args(["engine", "--trace", "t.csv", "--dtype", "bf16", "--kv-pool-gb",

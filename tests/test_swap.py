@@ -9,12 +9,12 @@ import dataclasses
 import numpy as np
 import pytest
 
+from allocator.serving.cards.presets import accelerator, model_spec
 from allocator.serving.core.requests import RequestState
-from allocator.serving.engine import ServingSetup, Simulation
-from allocator.serving.presets import accelerator, model_spec
-from allocator.serving.timing import MeasuredTiming
-from odma_hw.cli import main
-from odma_hw.errors import BadArgument
+from allocator.serving.sim.replica import ServingSetup, Simulation
+from allocator.serving.sim.timing import MeasuredTiming
+from odma_cli.errors import BadArgument
+from odma_cli.main import main
 
 SPEC = model_spec("deepseek-r1-distill-qwen-7b")
 TIMING = MeasuredTiming("curve", {256: 40.0, 4096: 150.0, 1 << 20: 290.0}, 300.0, 250.0)

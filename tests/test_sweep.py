@@ -27,10 +27,10 @@ from pathlib import Path
 
 import pytest
 
-from odma_hw import sweep
-from odma_hw.cli import main
-from odma_hw.commands import registry
-from odma_hw.errors import BadArgument
+from odma_cli import sweep
+from odma_cli.commands import registry
+from odma_cli.errors import BadArgument
+from odma_cli.main import main
 
 REPO = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
@@ -51,6 +51,9 @@ def register(subparsers):
     p.add_argument("--json", action="store_true")
 
 
+DEFAULT_METRIC = "square"           # the fake command's, as a real command says its own
+
+
 def compute(args) -> dict:
     if args.die_while and os.path.isdir(args.die_while):
         os._exit(1)
@@ -68,7 +71,6 @@ def compute(args) -> dict:
 @pytest.fixture
 def fake_command(monkeypatch):
     monkeypatch.setitem(registry(), "fake", __name__)
-    monkeypatch.setitem(sweep.DEFAULT_METRICS, "fake", "square")
 
 
 def write_grid(path: Path, text: str) -> str:
@@ -492,11 +494,11 @@ def test_hashes_follow_the_content_of_the_files_a_cell_reads(tmp_path, fake_comm
 
 def test_the_code_digest_covers_the_packages_a_command_runs(fake_command):
     names = {name for name, _ in sweep.code_files("simulate")}
-    assert {"odma_hw/emu/model.py", "odma_hw/native.py", "allocator/serving/cli.py",
+    assert {"odma_hw/emu/model.py", "odma_hw/native.py", "allocator/serving/options.py",
             "allocator/serving/configs/tiny-llama.json"} <= names
     assert not any("__pycache__" in n or n.endswith(".pyc") for n in names)
     # how the sweep runs and shows cells is not what they compute
-    assert not any(n.startswith("odma_hw/sweep/") for n in names)
+    assert not any(n.startswith("odma_cli/sweep/") for n in names)
     if any(n.startswith("odma_hw/_native") for n in os.listdir(REPO / "odma_hw")):
         assert any(n.startswith("odma_hw/_native") for n in names)   # the built shim
     # the hardware layer imports nothing above it: an emulate cell runs none of the allocator
@@ -585,9 +587,21 @@ def test_the_printed_table_shows_axes_and_the_metric_and_says_what_it_left_out()
 
 def test_units_of_axes_and_columns():
     assert [sweep.unit(n) for n in ("output_tps", "bandwidth_gbps", "ttft_s.p99",
-                                    "wall_seconds", "requests_per_second", "granularity",
-                                    "page-tokens", "efficiency", "out.policy")] == [
-        "tok/s", "GB/s", "s", "s", "req/s", "B", "tokens", None, None]
+                                    "wall_seconds", "requests_per_second", "efficiency",
+                                    "out.policy", "kv-pool-gb")] == [
+        "tok/s", "GB/s", "s", "s", "req/s", None, None, "GB"]
+    # an option's unit is the command's to say (its OPTION_UNITS), not the sweep's
+    assert sweep.unit("granularity") is None and sweep.unit("granularity", "emulate") == "B"
+    assert sweep.unit("page-tokens", "simulate") == sweep.unit("page-tokens", "engine") == "tokens"
+    assert sweep.unit("pool-gib", "replay") == "GiB" and sweep.unit("rate", "replay") == "req/s"
+
+
+def test_the_default_metric_is_the_commands_own():
+    assert [sweep.default_metric(c) for c in ("emulate", "replay", "simulate", "engine")] == [
+        "efficiency", "utilization", "output_tps", "output_tps"]
+    assert sweep.default_metric("probe") == "wall_seconds"     # a command that names none
+    assert sweep.uses_numba("emulate") and sweep.uses_numba("simulate")
+    assert not sweep.uses_numba("replay")
 
 
 def _serving_grid():
@@ -626,7 +640,7 @@ def test_plot_lines_hold_the_other_axes_at_their_first_or_given_value():
 def test_the_plot_labels_units_and_draws_wide_axes_on_a_log_scale(tmp_path, monkeypatch):
     plt = pytest.importorskip("matplotlib.pyplot")
     figures = []
-    # report.py saves through odma_hw.plotting.save
+    # report.py saves through odma_cli.plotting.save
     monkeypatch.setattr(sweep.report.plotting, "save", lambda fig, path: figures.append(fig))
     grid, rows = _serving_grid()
     view = sweep.plot_view(grid, x="page-tokens", fix=["interleave=1024"])
@@ -953,8 +967,8 @@ def test_a_ctrl_c_in_the_cleanup_still_shuts_ray_down_itself(tmp_path):
     done = run_script(tmp_path, f"""
         import os, signal, time
         import ray
-        from odma_hw import sweep
-        from odma_hw.cli import main
+        from odma_cli import sweep
+        from odma_cli.main import main
         close = sweep.ResultLog.close
         def interrupted_close(self):
             os.kill(os.getpid(), signal.SIGINT)
@@ -975,7 +989,7 @@ def test_ctrl_c_at_exit_cannot_cut_short_a_shutdown_left_to_it(tmp_path):
     # under a Ctrl-C every 20 ms
     done = run_script(tmp_path, """
         import atexit, os, signal, threading, time
-        from odma_hw import sweep
+        from odma_cli import sweep
         ray = sweep.import_ray()
         assert sweep.connect(ray, None, 1)
         def ctrl_c_again_and_again():

@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from odma_hw import sweep
+from odma_cli import sweep
 
 
 def attempt(index: int, status: str = "ok", rows: int = 1) -> tuple[sweep.Cell, dict]:

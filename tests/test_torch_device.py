@@ -4,8 +4,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from odma_cli.errors import BadArgument, DeviceUnavailable  # noqa: E402
 from odma_hw import devices  # noqa: E402
-from odma_hw.errors import BadArgument, DeviceUnavailable  # noqa: E402
 
 
 @pytest.fixture

@@ -57,7 +57,7 @@ import random
 import threading
 import weakref
 
-from odma_hw.errors import BadArgument
+from odma_cli.errors import BadArgument
 
 from allocator.arguments import count, positive_count
 from allocator.contiguous import Block

@@ -32,7 +32,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from odma_hw.errors import BadArgument
+from odma_cli.errors import BadArgument
 
 MAGIC = b"ODMAPFX\x00"
 VERSION = 1

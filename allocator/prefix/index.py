@@ -19,7 +19,7 @@ import hashlib
 
 import numpy as np
 
-from odma_hw.errors import BadArgument
+from odma_cli.errors import BadArgument
 
 from allocator.errors import require
 from allocator.prefix import disk

@@ -19,10 +19,10 @@ import time
 
 import numpy as np
 
+from odma_cli.errors import BadArgument, DeviceError
 from odma_hw import devices as _devices
 from odma_hw import native
 from odma_hw.devices.host import HostDevice
-from odma_hw.errors import BadArgument, DeviceError
 
 from allocator.prefix.kernels import copy_digest, digest
 
@@ -48,8 +48,8 @@ def is_host_memory(device) -> bool:
 def _pinned_torch_host():
     """A TorchDevice over page-locked CPU tensors (DMA-able by the accelerator without staging);
     plain CPU tensors where the runtime cannot pin."""
-    from odma_hw.devices.torch_device import TorchDevice, torch
     from odma_hw.devices.base import Buffer
+    from odma_hw.devices.torch_device import TorchDevice, torch
 
     class PinnedHostMemory(TorchDevice):
         def __init__(self):

@@ -15,7 +15,7 @@ moving and stays where it was (index.py).
 
 from __future__ import annotations
 
-from odma_hw.errors import BadArgument
+from odma_cli.errors import BadArgument
 
 from allocator.config import AllocatorConfig
 from allocator.errors import OutOfMemory, require

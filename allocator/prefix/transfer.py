@@ -24,7 +24,7 @@ import dataclasses
 import math
 import time
 
-from odma_hw.errors import BadArgument, DeviceError
+from odma_cli.errors import BadArgument, DeviceError
 
 from allocator.prefix import disk
 from allocator.prefix.index import Entry

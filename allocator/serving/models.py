@@ -11,7 +11,7 @@ import json
 import math
 import pathlib
 
-from odma_hw.errors import BadArgument, DeviceUnavailable, one_line
+from odma_cli.errors import BadArgument, DeviceUnavailable, one_line
 
 SUPPORTED = ("llama", "qwen2", "mistral")
 CONFIG_DIR = pathlib.Path(__file__).with_name("configs")
@@ -34,7 +34,7 @@ ROPE_KEYS = ("rope_scaling", "rope_parameters")
 # would overstate its weights per step and the engine builds dense models, so such configs are
 # refused rather than misjudged
 MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
-# the engine's prompts are token ids from this one up (torch_engine.prompt_ids), clear of the
+# the engine's prompts are token ids from this one up (engine.serve.prompt_ids), clear of the
 # special tokens most vocabularies put first
 FIRST_PROMPT_ID = 3
 # checkpoint formats the engine does not read: a folder holding only these would otherwise run

@@ -24,7 +24,7 @@ import math
 
 import numpy as np
 
-from odma_hw.errors import BadArgument
+from odma_cli.errors import BadArgument
 
 from allocator.arguments import positive_count
 from allocator.trace import MAX_SPAN_SECONDS, MAX_TRACE_REQUESTS, RequestTrace
@@ -156,7 +156,7 @@ WORKLOADS = {"text-analysis": text_analysis, "chat": chat}
 def _at_most(limit: int):
     """argparse type: an integer in [1, limit]; beyond it a generator would only run out of
     memory or time, so the parser refuses it in one line."""
-    from odma_hw import argtypes
+    from odma_cli import argtypes
 
     def parse(text: str) -> int:
         v = argtypes.positive_int(text)
@@ -167,7 +167,7 @@ def _at_most(limit: int):
 
 
 def register(subparsers) -> None:
-    from odma_hw import argtypes
+    from odma_cli import argtypes
 
     p = subparsers.add_parser(
         "workload", help="write a generated request trace with shared prefixes (CSV)",

@@ -12,8 +12,8 @@ from __future__ import annotations
 import dataclasses
 import importlib
 
+from odma_cli.errors import BadArgument, DeviceUnavailable
 from odma_hw.devices.base import Buffer, Device, DeviceInfo, Measurement  # noqa: F401
-from odma_hw.errors import BadArgument, DeviceUnavailable
 
 # spec prefix -> module implementing it
 BACKENDS = {

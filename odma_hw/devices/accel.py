@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import functools
 
+from odma_cli.errors import BadArgument, DeviceError, DeviceUnavailable
 from odma_hw import native
 from odma_hw.devices.base import Buffer, DeviceInfo, Measurement
 from odma_hw.devices.native_memory import NativeMemoryDevice
-from odma_hw.errors import BadArgument, DeviceError, DeviceUnavailable
 
 GIB = 1 << 30
 MIB = 1 << 20

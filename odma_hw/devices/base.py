@@ -11,7 +11,7 @@ import abc
 import dataclasses
 from typing import Any
 
-from odma_hw.errors import BadArgument
+from odma_cli.errors import BadArgument
 
 PATTERNS = ("read", "copy", "rand")
 # smallest random-access granule any backend measures (the native shim's ODMA_MIN_GRANULE)

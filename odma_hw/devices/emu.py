@@ -11,10 +11,10 @@ from __future__ import annotations
 import mmap
 import threading
 
+from odma_cli.errors import BadArgument, DeviceError
 from odma_hw.devices.base import PATTERNS, Buffer, Device, DeviceInfo, Measurement
-from odma_hw.emu import simulate
+from odma_hw.emu import emulate
 from odma_hw.emu.specs import PRESETS, device_spec
-from odma_hw.errors import BadArgument, DeviceError
 
 _MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)
 
@@ -153,7 +153,7 @@ class EmuDevice(Device):
         write = np.repeat(np.array([0, 1], np.uint8), offs.size)[order]
         addr = np.minimum(addr, self.dev.total_bytes - g)
         tr = Trace(addr, np.full(addr.size, g, np.int64), write)
-        s = simulate(self.preset, trace=tr, granularity=g)
+        s = emulate(self.preset, trace=tr, granularity=g)
         return s.simulated_ns * 1e-9 * (nbytes / sim)
 
     # -- bandwidth ------------------------------------------------------------------------------
@@ -186,7 +186,7 @@ class EmuDevice(Device):
             secs = self.copy_seconds(0, half, nbytes)
             useful, extra = 2 * nbytes, {"copied_bytes": nbytes}
         else:
-            s = simulate(self.preset, "seq" if pattern == "read" else "rand", moved, n,
+            s = emulate(self.preset, "seq" if pattern == "read" else "rand", moved, n,
                          footprint=fp, seed=seed)
             secs, useful = s.simulated_ns * 1e-9, s.requests * granule
             extra = {"efficiency": s.efficiency, "row_hit_rate": s.row_hit_rate,

@@ -13,10 +13,10 @@ import os
 import pathlib
 import time
 
+from odma_cli.errors import BadArgument, DeviceError
 from odma_hw import native
 from odma_hw.devices.base import Buffer, DeviceInfo, Measurement
 from odma_hw.devices.native_memory import NativeMemoryDevice
-from odma_hw.errors import BadArgument, DeviceError
 
 GIB = 1 << 30
 HUGE_PAGE = 2 << 20

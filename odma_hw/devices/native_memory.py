@@ -10,9 +10,9 @@ import threading
 import weakref
 from typing import Callable
 
+from odma_cli.errors import BadArgument
 from odma_hw import native
 from odma_hw.devices.base import PATTERNS, Buffer, Device, is_int
-from odma_hw.errors import BadArgument
 
 
 class LiveBuffers:

@@ -7,9 +7,9 @@ from __future__ import annotations
 import statistics
 import time
 
+from odma_cli.errors import BadArgument, DeviceError, DeviceUnavailable
 from odma_hw.devices.base import Buffer, Device, DeviceInfo, Measurement
 from odma_hw.devices.host import mem_available
-from odma_hw.errors import BadArgument, DeviceError, DeviceUnavailable
 
 try:
     import torch

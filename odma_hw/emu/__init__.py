@@ -1,8 +1,8 @@
 """LPDDR5 bank/burst timing emulator (Numba): specs, address maps, traces, engine (its arrays in
 state.py, its decisions in controller.py), checker.
 
-    from odma_hw.emu import simulate
-    s = simulate("lpddr5-6400", "rand", 64, 100_000)
+    from odma_hw.emu import emulate
+    s = emulate("lpddr5-6400", "rand", 64, 100_000)
     s.efficiency, s.bandwidth_gbps, s.row_hit_rate
 
 Names load lazily so that building the `odma-hw` parser does not import Numba.
@@ -11,7 +11,7 @@ Names load lazily so that building the `odma-hw` parser does not import Numba.
 import importlib
 
 _EXPORTS = {
-    "simulate": "odma_hw.emu.model", "EmuStats": "odma_hw.emu.model",
+    "emulate": "odma_hw.emu.model", "EmuStats": "odma_hw.emu.model",
     "PRESETS": "odma_hw.emu.specs", "ChannelSpec": "odma_hw.emu.specs",
     "DeviceSpec": "odma_hw.emu.specs", "derive": "odma_hw.emu.specs",
     "device_spec": "odma_hw.emu.specs", "preset_names": "odma_hw.emu.specs",

@@ -4,11 +4,20 @@ from __future__ import annotations
 
 import sys
 
-from odma_hw import jsonout
-from odma_hw.commands import ValueCheck
-from odma_hw.errors import BadArgument
+from odma_cli import jsonout
+from odma_cli.commands import ValueCheck
+from odma_cli.errors import BadArgument
 
-USES_NUMBA = True
+DEFAULT_METRIC = "efficiency"           # what a sweep of emulate prints and plots
+OPTION_UNITS = {"granularity": "B", "interleave": "B", "footprint": "B"}
+
+
+def warm_up() -> None:
+    """Load (or compile) the emulator's Numba code in this process: a sweep's workers call it
+    before their first cell, so that no cell's wall time includes compilation."""
+    from odma_hw.emu import emulate
+
+    emulate("lpddr5-6400", "rand", 64, 256)
 
 SCHEMA = "odma-hw.emulate/1"
 
@@ -117,7 +126,7 @@ def run(args) -> int:
 
 def compute(args) -> dict:
     """The JSON object of `odma-hw emulate` for parsed arguments (what --json prints)."""
-    from odma_hw.emu import simulate
+    from odma_hw.emu import emulate
 
     granularity = _int(args.granularity, "--granularity")
     requests = _int(args.requests, "--requests")
@@ -127,7 +136,7 @@ def compute(args) -> dict:
         raise BadArgument(f"--write-ratio must be in [0, 1], not {wr}")
     progress = _Progress(sys.stderr, args.spec) if requests > 2_000_000 and not args.json else None
     try:
-        stats = simulate(args.spec, args.pattern, granularity, requests,
+        stats = emulate(args.spec, args.pattern, granularity, requests,
                          write_ratio=0.0 if wr is None else wr, refresh=args.refresh,
                          mode=args.mode, bl=args.bl, address_map_name=args.map,
                          queue=args.queue, queue_unit=args.queue_unit,
@@ -167,7 +176,7 @@ def _print_table(d: dict) -> int:
 
 
 def sweep_checks() -> list[ValueCheck]:
-    """What compute() refuses before any work (see odma_hw/commands.py)."""
+    """What compute() refuses before any work (see odma_cli/commands.py)."""
     from odma_hw.emu.specs import device_spec
 
     return [

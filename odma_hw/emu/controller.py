@@ -1,9 +1,9 @@
-"""The controller's decisions, one Numba helper each, which the slice kernel (engine.run_slice)
+"""The controller's decisions, one Numba helper each, which the slice kernel (timing_loop.run_slice)
 inlines: admitting accesses into the queues (admit), choosing the queue to serve
 (choose_queue), the earliest CK of each command (rank_earliest, and recompute and regroup, which
 cache the bank- and group-level rules), picking the command (pick_fcfs, pick_frfcfs) and issuing
 it (issue_act, issue_pre, issue_column, refresh_allbank, refresh_bank), logging each command.
-The module docstring of engine.py gives the rules they implement."""
+The module docstring of timing_loop.py gives the rules they implement."""
 
 from __future__ import annotations
 

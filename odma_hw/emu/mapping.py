@@ -23,8 +23,8 @@ import dataclasses
 import numpy as np
 from numba import njit
 
+from odma_cli.errors import BadArgument
 from odma_hw.emu.specs import DeviceSpec
-from odma_hw.errors import BadArgument
 
 MAP_BG, MAP_RBC, MAP_XOR = 0, 1, 2
 MAPS = {"bg": MAP_BG, "rbc": MAP_RBC, "xor": MAP_XOR}

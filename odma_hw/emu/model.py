@@ -1,4 +1,4 @@
-"""`simulate()`: trace -> address map -> timing engine over N channels -> statistics."""
+"""`emulate()`: trace -> address map -> timing engine over N channels -> statistics."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ from fractions import Fraction
 import numba
 import numpy as np
 
-from odma_hw.emu import engine, state
+from odma_cli.errors import BadArgument
+from odma_hw.emu import state, timing_loop
 from odma_hw.emu.mapping import address_map, decompose, max_accesses, segment_bytes
 from odma_hw.emu.specs import DeviceSpec, derive, device_spec
 from odma_hw.emu.traces import PATTERNS, Trace, check_shape, generate, read_trace_file
-from odma_hw.errors import BadArgument
 
 REFRESH = {"allbank": state.REF_ALLBANK, "perbank": state.REF_PERBANK, "none": state.REF_NONE}
 PAGE = {"open": state.PAGE_OPEN, "closed": state.PAGE_CLOSED}
@@ -118,7 +118,7 @@ def _check_memory(what: str, accesses: int, peak_bytes: int) -> None:
             f"a smaller granularity")
 
 
-def simulate(spec: str = "lpddr5-6400", pattern: str = "rand", granularity: int = 64,
+def emulate(spec: str = "lpddr5-6400", pattern: str = "rand", granularity: int = 64,
              requests: int = 100_000, *, write_ratio: float = 0.0, refresh: str = "allbank",
              mode: str | None = None, bl: int | None = None, address_map_name: str = "bg",
              queue: int = 32, queue_unit: str = "burst", write_high: float = 0.8,
@@ -165,7 +165,7 @@ def simulate(spec: str = "lpddr5-6400", pattern: str = "rand", granularity: int 
     hist = np.zeros((dev.channels, state.HIST_BINS), np.int64)
     log = np.zeros((int(record), state.LOG_COLS), np.int64) if record > 0 else None
     timing = None if progress is None else functools.partial(progress, "timing")
-    engine.run(tp, opt, offsets, bank, row, bursts, wr, stats, hist, log, progress=timing)
+    timing_loop.run(tp, opt, offsets, bank, row, bursts, wr, stats, hist, log, progress=timing)
     if log is not None:
         log = log[: stats[0, state.S.logged]]
     wall = time.perf_counter() - t0
@@ -180,7 +180,7 @@ def simulate(spec: str = "lpddr5-6400", pattern: str = "rand", granularity: int 
 
 def _generated_trace(dev, amap, pattern, granularity, requests, footprint, seed, write_ratio,
                      progress, pattern_args) -> Trace:
-    """The trace of `requests` requests of `pattern` that simulate() runs, every argument and
+    """The trace of `requests` requests of `pattern` that emulate() runs, every argument and
     the memory it needs checked first."""
     burst = dev.channel.burst_bytes
     if pattern not in PATTERNS:
@@ -202,7 +202,7 @@ def _generated_trace(dev, amap, pattern, granularity, requests, footprint, seed,
 
 
 def _user_trace(dev, amap, trace, granularity, progress) -> Trace:
-    """A user's trace (a Trace or the path of a text trace) as simulate() runs it, checked
+    """A user's trace (a Trace or the path of a text trace) as emulate() runs it, checked
     against the device and the memory it needs first."""
     burst = dev.channel.burst_bytes
     if isinstance(trace, str):

@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from odma_hw.errors import BadArgument
+from odma_cli.errors import BadArgument
 
 
 @dataclasses.dataclass(frozen=True)

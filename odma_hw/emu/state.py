@@ -1,4 +1,4 @@
-"""The arrays the DRAM timing engine (engine.py) reads and carries: where each field sits in
+"""The arrays the DRAM timing engine (timing_loop.py) reads and carries: where each field sits in
 them (the index tables T, O, S, V, B, L, Q, K, which Numba reads as constants), the option and
 command codes, pack() and options() that build the timing and options arrays, and ChannelStates,
 the state each channel carries from one slice to the next."""

@@ -12,7 +12,7 @@ import os
 
 import numpy as np
 
-from odma_hw.errors import BadArgument
+from odma_cli.errors import BadArgument
 
 PATTERNS = ("seq", "rand", "strided", "mixed", "paged", "kvscan")
 

@@ -9,15 +9,15 @@ import math
 import sys
 import time
 
-from odma_hw import argtypes, jsonout, plotting
+from odma_cli import argtypes, jsonout, plotting
+from odma_cli.commands import model_head_dim
+from odma_cli.errors import BadArgument
 from odma_hw import devices as devmod
-from odma_hw.commands import model_head_dim
 from odma_hw.devices.base import is_int
-from odma_hw.errors import BadArgument
 from odma_hw.probe.measure import (DEFAULT_ALPHA, DEFAULT_GRANULARITIES, MIB, PAPER_GRANULES,
                                    SCHEMA, ProbeResult, plan_probe, run_plan, uses_host_threads)
-from odma_hw.probe.runs import (DEFAULT_KV_DTYPE, DEFAULT_PAGE_TOKENS, FULL_SPEED, KV_DTYPES,
-                                KVRun, bytes_of, check_alpha, check_full_speed, parse_granularities,
+from odma_hw.probe.runs import (DEFAULT_KV_DTYPE, DEFAULT_PAGE_TOKENS, FULL_SPEED, KV_DTYPES, KVRun,
+                                bytes_of, check_alpha, check_full_speed, parse_granularities,
                                 parse_granule)
 from odma_hw.probe.saved import load_saved, rejudge
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
+from odma_cli.errors import BadArgument
 from odma_hw.devices.base import MIN_GRANULE, Device, DeviceInfo, Measurement, is_int
-from odma_hw.errors import BadArgument
 from odma_hw.probe.runs import (FULL_SPEED, KVRun, check_alpha, check_full_speed, check_granule,
                                 judge_run, knee, size_text)
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from odma_cli.errors import BadArgument
 from odma_hw.devices.base import MIN_GRANULE, is_int
-from odma_hw.errors import BadArgument
 
 # A run reading at this fraction of streaming or more reads at full speed: the knee is where runs
 # reach it for good, and KV runs that reach it make paging free. It is not alpha: alpha marks a

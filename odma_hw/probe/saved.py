@@ -8,8 +8,8 @@ import dataclasses
 import json
 import math
 
+from odma_cli.errors import BadArgument, one_line
 from odma_hw.devices.base import MIN_GRANULE, is_int
-from odma_hw.errors import BadArgument, one_line
 from odma_hw.probe.measure import SCHEMA, ProbeResult
 from odma_hw.probe.runs import FULL_SPEED, KVRun, check_full_speed, judge_run
 

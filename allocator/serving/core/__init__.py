@@ -1,5 +1,5 @@
-"""The serving core shared by the simulation (allocator/serving/engine.py) and the real engine
-(allocator/serving/torch_engine.py): the Scheduler and its step contract.
+"""The serving core shared by the simulation (allocator/serving/sim/replica.py) and the real engine
+(allocator/serving/engine/serve.py): the Scheduler and its step contract.
 
 - plan.py: Plan (what a step runs), Outcome (what it made) and Executor (what the loop needs of
   an executor, and the hooks the Scheduler's update tells its decisions through);

@@ -10,7 +10,7 @@ import collections
 import itertools
 import math
 
-from odma_hw.errors import BadArgument
+from odma_cli.errors import BadArgument
 
 from allocator.errors import OutOfMemory
 from allocator.serving.core.plan import Admitted, Chunk

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from odma_hw.errors import BadArgument
+from odma_cli.errors import BadArgument
 
 PREEMPTION = ("recompute", "swap")
 

@@ -10,7 +10,7 @@ import math
 
 import numpy as np
 
-from odma_hw.errors import BadArgument
+from odma_cli.errors import BadArgument
 
 from allocator.policies import policy as policy_spec
 
@@ -295,7 +295,7 @@ def _prefix_summary(tot, results, reqs) -> dict | None:
 
 
 def summarise_engine(policy: str, run: dict, setup: dict, slo: dict | None = None) -> dict:
-    """The result object of one policy the engine served (torch_engine.serve's `run`), with
+    """The result object of one policy the engine served (engine.serve.serve's `run`), with
     simulate's metric names; ITL from the run's token times where it kept them."""
     reqs = run["requests"]
     span = max(run["seconds"], 1e-12)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from odma_hw.errors import BadArgument
+from odma_cli.errors import BadArgument
 
 from allocator.predictors import Request
 
@@ -17,9 +17,10 @@ class RequestState:
     ab, sb, start_step and cap included)."""
 
     __slots__ = ("rid", "prompt", "gen", "made", "arrival", "first_token", "finish",
-                 "preemptions", "predicted", "start_step", "a", "slope", "ab",
-                 "sb", "epoch", "cap", "prefix", "prefix_tokens", "offer", "covered",
-                 "prefilled", "swapped")
+                 "preemptions", "predicted", "start_step", "kv_seconds_at_0",
+                 "kv_seconds_per_step", "kv_bytes_at_0", "kv_bytes_per_step", "epoch",
+                 "block_tokens", "prefix", "prefix_tokens", "offer", "covered", "prefilled",
+                 "swapped")
 
     def __init__(self, rid, prompt, gen, arrival, prefix="", prefix_tokens=0, offer=""):
         self.rid = rid
@@ -32,12 +33,14 @@ class RequestState:
         self.preemptions = 0
         self.predicted = None       # (L, u) made once, before the first admission
         self.start_step = 0         # decode step at which `made` holds
-        self.a = 0.0                # KV seconds at step s = a + s x slope
-        self.slope = 0.0
-        self.ab = 0.0               # KV bytes at step s = ab + s x sb
-        self.sb = 0.0
+        # its KV read at decode step s takes kv_seconds_at_0 + s x kv_seconds_per_step seconds
+        # and holds kv_bytes_at_0 + s x kv_bytes_per_step bytes (the step timer's line)
+        self.kv_seconds_at_0 = 0.0
+        self.kv_seconds_per_step = 0.0
+        self.kv_bytes_at_0 = 0.0
+        self.kv_bytes_per_step = 0.0
         self.epoch = 0
-        self.cap = 0
+        self.block_tokens = 0       # tokens its block holds: growing past them is an event
         self.prefix = prefix        # key of the prefix its prompt starts with ("" for none)
         self.prefix_tokens = prefix_tokens
         self.offer = offer          # key its whole context is offered under when it completes

@@ -7,16 +7,16 @@ from __future__ import annotations
 
 import collections
 
-from odma_hw.errors import BadArgument
+from odma_cli.errors import BadArgument
 
 from allocator.errors import OutOfMemory
 from allocator.policies import PolicySpec
 from allocator.predictors import after_preemption
 from allocator.serving.core.admission import Admission
+from allocator.serving.core.checks import check_scheduling
 from allocator.serving.core.plan import DECODE, IDLE, MIXED, PREFILL, Executor, Plan
 from allocator.serving.core.queue import DISTANCE, WaitingQueue
 from allocator.serving.core.requests import predictor_request
-from allocator.serving.core.checks import check_scheduling
 
 _RESERVE = PolicySpec("reserve", None)      # a Scheduler given no policy: reservation admission
 

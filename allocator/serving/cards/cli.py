@@ -1,0 +1,453 @@
+"""`odma-hw calibrate`: measure a torch device for a card file, so that `odma-hw simulate
+--device CARD` predicts `odma-hw engine` on that device.
+
+What it measures, in this order (each phase prints one progress line on stderr):
+
+1. bandwidth: reads of random contiguous runs of S bytes (64 B .. 4 MiB), one long read and a
+   streaming copy of the device's memory. By default (--memory auto) odma-hw's native probe
+   measures them on the native device behind the torch device (torch:cpu -> host,
+   torch:cuda:N -> cuda:N, torch:mlu:N -> mlu:N; measure_native_bandwidth), as the engine's
+   own attention kernels read as those kernels do; where there is no native backend, or it is
+   absent or fails here, torch's gather (index_select) measures them (measure_bandwidth,
+   allocator/serving/sim/live.py's measure_run_bandwidth), and one line says so. --memory native
+   or torch picks one. Written beside the card as an `odma-hw probe --json` document
+   (CARD.probe.json, its "memory_source" naming what measured it); the card's timing is
+   `probe:CARD.probe.json`, its bandwidth_gbps the sequential figure, and its source (and the
+   output) say which measured them.
+2. matmul throughput: F.linear over every shape of --model's matrix products (q, k, v, o, the
+   gated MLP's three, the LM head) at the engine's dtype, weights cycled through enough copies
+   to come from memory, not a cache; at each row count, all the products' FLOPs over the time
+   they take together, each shape as often as a step runs it: at a prefill shape
+   (--prefill-tokens rows) and at decode shapes (1 .. 64 rows). The prefill shape's throughput
+   is the card's peak at that dtype with mfu = 1 (what the engine's matrix products reach);
+   every row count's goes into the card's matmul_tflops table, by which the simulator costs
+   each step's compute.
+   On CUDA each timed batch of products is a CUDA graph replay (measure.py,
+   graphed), as the engine's decode steps are: eagerly a small product's launch outlasts it.
+3. the engine's KV reads (engine_steps.py, measure_engine_reads): its attention
+   kernel reading --model's KV in runs of a few page sizes and whole contexts, the rate being
+   the bytes a longer context adds over the time it adds: the card's engine_run_gbps, which
+   simulate reads a step's KV at.
+4. the engine's steps (measure_steps): decode steps (Runner.decode, with the engine's decode
+   graphs where it has them) of --model cut to 2 and 6 layers over batch x context, and
+   whole-prompt prefill steps; the simulator's own memory and compute terms at each shape are
+   taken away and the rest fitted (fit.py, nnls relative to each step): per step,
+   per layer, per request, per request per layer for decodes; per step, per layer, per prompt
+   per layer for prefills (the card's prefill_* keys).
+5. the serving loop (measure_loop): the engine serving a few requests end to end; what its
+   steps take beyond the Runner's is added to the per-step and per-request overheads.
+
+Not measured: link_gbps and link_latency_us (one device has no peer here); the card carries
+placeholders and says so.
+
+There is no compute(): a sweep would run calibrations side by side on shared cores, and every
+figure would measure the neighbours.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+import time
+
+from odma_cli.errors import BadArgument
+
+from allocator.serving.cards import engine_steps, fit
+from allocator.serving.cards.measure import (BUSY_OTHER_SHARE, FULL, MEMORY_MODES, QUICK,
+                                             TORCH_SOURCE, OtherLoad, disturbed, engine_dtype,
+                                             matmul_bytes, matmul_tflops, measure_memory,
+                                             memory_plan, need_torch, open_torch_device)
+from allocator.serving.cards.write import (byte_text, card_contents, card_json, card_paths,
+                                           card_text, check_card, probe_document)
+
+SCHEMA = "odma-hw.calibrate/1"
+MAX_PREFILL_TOKENS = 65536             # a longer prompt is a chunked prefill's business
+
+
+# ----------------------------------------------------------------------------- the command
+def check(args) -> dict:
+    """Every refusal before anything is measured or written: (paths, device, dtype, model
+    shape)."""
+    from allocator.serving.cards.presets import model_spec
+    from allocator.serving.models import DTYPES, check_memory, load_config
+
+    if args.name is not None and (not args.name.strip() or
+                                  any(ord(c) < 0x20 or ord(c) == 0x7F for c in args.name)):
+        raise BadArgument(f"--name must be a non-empty line of text, got {args.name!r}")
+    if args.dtype is not None and args.dtype not in DTYPES:
+        raise BadArgument(f"unknown --dtype {args.dtype!r}: expected one of {', '.join(DTYPES)}")
+    if not 1 <= args.prefill_tokens <= MAX_PREFILL_TOKENS:
+        raise BadArgument(f"--prefill-tokens must be in [1, {MAX_PREFILL_TOKENS}], got "
+                          f"{args.prefill_tokens}")
+    memory = getattr(args, "memory", "auto")
+    if memory not in MEMORY_MODES:
+        raise BadArgument(f"unknown --memory {memory!r}: expected one of "
+                          f"{', '.join(MEMORY_MODES)}")
+    card, probe = card_paths(args.out)
+    config, _ = load_config(args.model)  # a model the engine runs
+    spec = model_spec(args.model)
+    dev = open_torch_device(args.device)
+    dtype = engine_dtype(dev["device"].type, args.dtype)
+    native = memory_plan(dev["spec"], memory)     # --memory native needs a native backend...
+    if memory == "native":
+        from odma_hw import devices
+
+        with devices.open(native):                 # ... that is here (auto falls back instead)
+            pass
+    # the largest product's measurement, before any of its weights exists (the model's own
+    # weights are never built: the products are timed one at a time)
+    rows = max(args.prefill_tokens, *FULL.decode_rows)
+    check_memory({f"{args.model}'s largest matmul measurement":
+                  matmul_bytes(spec.decode_products, rows, DTYPES[dtype])},
+                 dev["free_bytes"], dev["spec"])
+    return {"card": card, "probe": probe, "device": dev, "dtype": dtype, "config": config,
+            "spec": spec, "products": spec.decode_products, "layers": spec.layers,
+            "memory": memory}
+
+
+def fit_steps(p: dict, steps: dict, timing, peak: float, matmul: dict, reads: dict) -> dict:
+    """The card's overheads fitted on the engine's steps (what the simulator's own memory and
+    compute terms leave of each, KV reads at the engine's measured rate): decode steps'
+    (per step, layer, request, request and layer) and prompt steps' (prefill_*: per step,
+    layer, prompt and layer); each step's fitted time and residual."""
+    spec, dtype = p["spec"], p["dtype"]
+    points = steps["decode"]
+    for q in points:
+        q.update(fit.predicted_floor(spec, q["layers"], q["batch"], q["context"], dtype, timing,
+                                     peak, matmul, reads))
+        q["overhead_s"] = q["step_s"] - q["floor_s"]
+    got = fit.fit_overheads([q["layers"] for q in points], [q["batch"] for q in points],
+                            [q["overhead_s"] for q in points], [q["step_s"] for q in points])
+    for q, f in zip(points, got.pop("fitted_s")):
+        q["fitted_s"] = q["floor_s"] + float(f)
+    got.update(fit.relative_residuals(points, "step_s", "fitted_s"))
+    over = fit.card_overheads(got)
+    prompts = steps["prefill"]
+    for q in prompts:
+        q["floor_s"] = fit.predicted_prefill(spec, q["layers"], q["batch"], q["prompt"], dtype,
+                                             timing, peak, matmul, reads, {})
+    over.update(fit.fit_prefill_overheads(
+        [q["layers"] for q in prompts], [q["batch"] for q in prompts],
+        [q["step_s"] - q["floor_s"] for q in prompts], [q["step_s"] for q in prompts]))
+    for q in prompts:
+        q["fitted_s"] = fit.predicted_prefill(spec, q["layers"], q["batch"], q["prompt"], dtype,
+                                              timing, peak, matmul, reads, over)
+    got["prefill"] = fit.relative_residuals(prompts, "step_s", "fitted_s")
+    return {"fit": got, "card": over}
+
+
+def calibrate(args, progress=None) -> dict:
+    """Measure, fit, write the probe file and the card; the result object (SCHEMA)."""
+    from allocator.serving.cards.presets import card_is_json
+    from allocator.trace import write_file
+
+    started = time.perf_counter()
+    p = check(args)
+    load_before = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    effort = QUICK if args.quick else FULL
+    torch = need_torch()
+    show = progress or (lambda text: None)
+    when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    m = _measure(args, p, effort, torch, show)
+    doc = probe_document(p["device"], m["bw"], effort.run_sizes)
+    measured = doc["devices"][0].get("name")      # the device the card's probe file measured
+    values, comments, header = card_contents(args, p, effort, m, when, measured,
+                                             torch.__version__)
+    text = card_json(values) if card_is_json(p["card"]) else card_text(values, comments, header)
+    check_card(p["card"], text)
+    from odma_cli import jsonout
+
+    # the probe file first: a card never names a file that is not there yet
+    # each written whole, then renamed into place: a failure leaves the old files as they were;
+    # a link at either path is replaced, not followed, so the card's probe:NAME (relative to
+    # the card's folder) names the probe file written beside it
+    probe_text = jsonout.dumps(doc, indent=1) + "\n"
+    write_file(p["probe"], lambda f: f.write(probe_text), "probe file", replace_links=True)
+    write_file(p["card"], lambda f: f.write(text), "card", replace_links=True)
+    return _result(args, p, effort, m, values, load_before, started)
+
+
+def _measure(args, p: dict, effort, torch, show) -> dict:
+    """The five phases (module docstring), each with its progress line, and the overheads
+    fitted on them: what the card and the result are made of."""
+    from allocator.serving.sim.timing import MeasuredTiming
+
+    dev, dtype = p["device"], p["dtype"]
+    native = memory_plan(dev["spec"], p["memory"])
+    show(f"calibrate {dev['spec']}: bandwidth of random runs of "
+         f"{byte_text(effort.run_sizes[0])} .. {byte_text(effort.run_sizes[-1])}, sequential "
+         f"read, copy ({'the native probe of ' + native if native else TORCH_SOURCE})")
+    other = {}
+    load = OtherLoad()
+    bw = measure_memory(dev, p["memory"], effort, args.seed, show)
+    other["bandwidth"] = load.share()
+    timing = MeasuredTiming(f"probe:{dev['spec']}", bw["runs_gbps"], bw["seq_gbps"],
+                            bw["copy_gbps"])
+    mm, each, other["matmul"] = _measure_matmul(args, p, effort, torch, show)
+    peak = mm[dtype][args.prefill_tokens]
+    tflops_bf16 = mm["bfloat16"][args.prefill_tokens]
+
+    batch, contexts = engine_steps.read_shape(effort, dev["device"])
+    show(f"calibrate {dev['spec']}: the engine's attention reading {args.model}'s KV in runs of "
+         f"{', '.join(map(str, effort.read_run_tokens))} tokens and whole contexts, "
+         f"{batch} requests at {' and '.join(map(str, contexts))} tokens")
+    load = OtherLoad()
+    reads = engine_steps.measure_engine_reads(torch, dev, dtype, p["config"], effort, args.seed)
+    other["engine reads"] = load.share()
+    if len(reads["gbps"]) < 2:
+        # a table needs two sizes to interpolate between: without one the memory's rates serve
+        show(f"calibrate {dev['spec']}: warning: the engine's reads gave {len(reads['gbps'])} "
+             f"rate(s), too few for a table: the card reads KV at the memory's rates")
+        reads["gbps"] = {}
+
+    show(f"calibrate {dev['spec']}: the engine's steps on {args.model} at "
+         f"{' and '.join(map(str, effort.fit_layers))} layers: decode batch "
+         f"{', '.join(map(str, effort.fit_batches))} x context "
+         f"{', '.join(map(str, effort.fit_contexts))}, prefill "
+         f"{', '.join(f'{b} x {n}' for b, n in effort.prefill_shapes)}, {effort.fit_reps} "
+         f"steps each")
+    load = OtherLoad()
+    steps = engine_steps.measure_steps(torch, dev, dtype, p["config"], effort, args.seed)
+    other["steps"] = load.share()
+    fitted = fit_steps(p, steps, timing, peak, mm[dtype], reads["gbps"])
+    fitting, over = fitted["fit"], fitted["card"]
+    show(f"calibrate {dev['spec']}: the engine's serving loop, {engine_steps.LOOP_OUTPUT} "
+         f"tokens of batch {min(effort.fit_batches)} and {max(effort.fit_batches)}")
+    load = OtherLoad()
+    loop = engine_steps.measure_loop(torch, dev, dtype, p["config"], effort, args.seed,
+                                     steps["decode"])
+    other["loop"] = load.share()
+    # the card's step costs are the Runner's steps and what the loop adds to each
+    over["step_overhead_us"] += loop["step_s"] * 1e6
+    over["request_overhead_us"] += loop["request_s"] * 1e6
+    points = steps["decode"]
+    busy, loaded = _disturbances(dev, points, other, show)
+    return {"bw": bw, "timing": timing, "mm": mm, "each": each, "peak": peak,
+            "tflops_bf16": tflops_bf16, "reads": reads, "steps": steps, "fitting": fitting,
+            "over": over, "loop": loop, "other": other, "points": points, "busy": busy,
+            "loaded": loaded}
+
+
+def _measure_matmul(args, p: dict, effort, torch, show) -> tuple[dict, dict, float | None]:
+    """Phase 2: matmul throughput at the engine's dtype (and bfloat16, which every card
+    needs) by rows, over --model's products: ({dtype: {rows: TFLOPS}}, the same by product,
+    the share of the CPUs other processes took meanwhile)."""
+    dev, dtype = p["device"], p["dtype"]
+    products = p["products"]
+    rows = (args.prefill_tokens,) + tuple(effort.decode_rows)
+    show(f"calibrate {dev['spec']}: matmul {dtype}, the {len(products)} shapes of "
+         f"{args.model}'s layers and LM head, at {args.prefill_tokens} rows (prefill) and "
+         f"{', '.join(map(str, effort.decode_rows))} (decode)")
+    load = OtherLoad()
+    mm, each = {}, {}
+    mm[dtype], each[dtype] = matmul_tflops(torch, dev["device"], getattr(torch, dtype), rows,
+                                           products, effort, args.seed)
+    if dtype != "bfloat16":
+        # a card needs its bf16 peak whatever the engine runs
+        show(f"calibrate {dev['spec']}: matmul bfloat16 at {args.prefill_tokens} rows")
+        mm["bfloat16"], each["bfloat16"] = matmul_tflops(
+            torch, dev["device"], torch.bfloat16, (args.prefill_tokens,), products, effort,
+            args.seed)
+    return mm, each, load.share()
+
+
+def _disturbances(dev: dict, points: list, other: dict, show) -> tuple[list, dict]:
+    """(the decode shapes whose steps varied as on a busy machine, the phases during which
+    other processes took more than BUSY_OTHER_SHARE of the CPUs), each warned of."""
+    busy = [[q["layers"], q["batch"], q["context"]] for q in disturbed(points)]
+    if busy:
+        show(f"calibrate {dev['spec']}: warning: the steps of {len(busy)} of {len(points)} "
+             f"shapes varied as on a busy machine: calibrate again when nothing else runs")
+    loaded = {k: v for k, v in other.items() if v is not None and v > BUSY_OTHER_SHARE}
+    if loaded:
+        show(f"calibrate {dev['spec']}: warning: other processes took "
+             + ", ".join(f"{v:.0%} of the CPUs during {k}" for k, v in loaded.items())
+             + ": calibrate again when nothing else runs")
+    return busy, loaded
+
+
+def _result(args, p: dict, effort, m: dict, values: dict, load_before, started: float) -> dict:
+    """The result object (SCHEMA) of a calibration whose card holds `values`."""
+    dev, dtype, products = p["device"], p["dtype"], p["products"]
+    bw, mm, each, reads, steps = m["bw"], m["mm"], m["each"], m["reads"], m["steps"]
+    fitting, over, loop, points = m["fitting"], m["over"], m["loop"], m["points"]
+    busy, loaded, other = m["busy"], m["loaded"], m["other"]
+    return {
+        "schema": SCHEMA, "card": p["card"], "probe": p["probe"], "device": dev["spec"],
+        "device_name": dev["name"], "dtype": dtype, "quick": bool(args.quick),
+        "memory": p["memory"],
+        "model": args.model, "card_values": values,
+        "bandwidth": {"seq_gbps": float(bw["seq_gbps"]), "copy_gbps": float(bw["copy_gbps"]),
+                      "runs_gbps": {str(s): float(v) for s, v in bw["runs_gbps"].items()},
+                      "runs_in_order_gbps": {str(s): float(v)
+                                             for s, v in bw["runs_in_order_gbps"].items()},
+                      "buffer_bytes": int(bw["buffer_bytes"]), "method": bw["method"],
+                      "memory": bw["memory"], "source": bw["source"],
+                      "native_device": bw["native_device"], "fallback": bw["fallback"]},
+        "matmul": {"products": [{"k": k, "n": n, "count": c} for (k, n), c in products.items()],
+                   "prefill_rows": args.prefill_tokens,
+                   "tflops": {d: {str(r): v for r, v in t.items()} for d, t in mm.items()},
+                   "tflops_by_product": {d: {f"{k}x{n}": {str(r): v for r, v in t.items()}
+                                             for (k, n), t in e.items()}
+                                         for d, e in each.items()}},
+        "engine_reads": dict(reads, gbps={str(b): g for b, g in reads["gbps"].items()}),
+        "overheads": {"step_us": fitting["step_s"] * 1e6, "layer_us": fitting["layer_s"] * 1e6,
+                      "request_us": fitting["request_s"] * 1e6,
+                      "layer_request_us": fitting["layer_request_s"] * 1e6,
+                      "model_layers": p["layers"], "card": over,
+                      "rms_relative_residual": fitting["rms_relative_residual"],
+                      "max_relative_residual": fitting["max_relative_residual"],
+                      "fit_model": args.model, "fit_layers": list(effort.fit_layers),
+                      "disturbed": busy, "points": points,
+                      "prefill": dict(fitting["prefill"], points=steps["prefill"]),
+                      "loop": loop},
+        "other_cpu_share": other, "busy_phases": sorted(loaded),
+        "load_average_before": load_before,
+        "seconds": time.perf_counter() - started,
+    }
+
+
+
+def format_summary(r: dict) -> str:
+    v = r["card_values"]
+    bw = r["bandwidth"]
+    lines = [f"{r['device']} ({r['device_name']}), engine dtype {r['dtype']}"
+             + (" (--quick)" if r["quick"] else ""),
+             f"memory figures: {bw['source']}"
+             + (f" (--memory {r['memory']})" if r.get("memory") else ""),
+             f"bandwidth: sequential {bw['seq_gbps']:.2f} GB/s, copy {bw['copy_gbps']:.2f} GB/s; "
+             "random runs: " + ", ".join(f"{byte_text(int(s))} {g:.2f}"
+                                         for s, g in bw["runs_gbps"].items()) + " GB/s"]
+    mm = r["matmul"]
+    shapes = ", ".join(f"{q['count']} x {q['k']} -> {q['n']}" for q in mm["products"])
+    for dtype, t in mm["tflops"].items():
+        parts = [f"{rows} rows {x:.4g}" for rows, x in t.items()]
+        lines.append(f"matmul {dtype} ({shapes}): " + ", ".join(parts) + " TFLOPS")
+    er = r["engine_reads"]
+    lines.append(f"engine KV reads ({er['backend']} attention) by run: "
+                 + ", ".join(f"{byte_text(int(b))} {g:.3g}" for b, g in er["gbps"].items())
+                 + " GB/s")
+    o = r["overheads"]
+    c = o["card"]
+    lines.append(f"overheads fitted on {o['fit_model']}'s decode steps at "
+                 f"{'/'.join(map(str, o['fit_layers']))} layers: per step "
+                 f"{o['step_us']:.1f} us, per layer {o['layer_us']:.1f} us, per request "
+                 f"{o['request_us']:.2f} us, per request per layer {o['layer_request_us']:.2f} us; "
+                 f"rms relative residual {o['rms_relative_residual']:.3f}, max "
+                 f"{o['max_relative_residual']:.3f}"
+                 + (f"; WARNING: {len(o['disturbed'])} shapes measured on a busy machine"
+                    if o["disturbed"] else ""))
+    lp = o["loop"]
+    lines.append(f"the serving loop adds {lp['step_s'] * 1e6:.1f} us per step and "
+                 f"{lp['request_s'] * 1e6:.2f} us per request: "
+                 + ", ".join(f"batch {q['batch']} {q['step_s'] * 1e3:.3f} ms a step, the Runner's "
+                             f"{q['runner_step_s'] * 1e3:.3f}" for q in lp["points"]))
+    lines.append(f"card overheads: step_overhead_us {c['step_overhead_us']:.1f}, "
+                 f"layer_overhead_us {c['layer_overhead_us']:.1f}, request_overhead_us "
+                 f"{c['request_overhead_us']:.2f}, layer_request_overhead_us "
+                 f"{c['layer_request_overhead_us']:.2f}")
+    head = ["step", "layers", "batch", "tokens", "measured ms", "simulate ms", "residual"]
+    rows = [head] + [[kind, str(q["layers"]), str(q["batch"]), str(q.get("context",
+                                                                          q.get("prompt"))),
+                      f"{q['step_s'] * 1e3:.3f}", f"{q['fitted_s'] * 1e3:.3f}",
+                      f"{q['relative_residual'] * 100:+.1f}%"]
+                     for kind, pts in (("decode", o["points"]), ("prefill",
+                                                                 o["prefill"]["points"]))
+                     for q in pts]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+    for row in rows:
+        lines.append("  " + "  ".join(c.rjust(w) for c, w in zip(row, widths)))
+    lines.append(f"prefill steps as simulate predicts them with these overheads: rms relative "
+                 f"residual {o['prefill']['rms_relative_residual']:.3f}, max "
+                 f"{o['prefill']['max_relative_residual']:.3f}")
+    lines.append(f"card: {r['card']} (name {v['name']!r}; capacity {v['capacity_gb']:.1f} GB, "
+                 f"tflops_bf16 {v['tflops_bf16']:.4g}"
+                 + (f", tflops_fp32 {v['tflops_fp32']:.4g}" if "tflops_fp32" in v else "")
+                 + f"; link_gbps {v['link_gbps']:g} and link_latency_us "
+                   f"{v['link_latency_us']:g} are placeholders)")
+    lines.append(f"probe: {r['probe']}; {r['seconds']:.0f} s")
+    shares = {k: v for k, v in r["other_cpu_share"].items() if v is not None}
+    if shares:
+        lines.append("other processes' share of the CPUs: "
+                     + ", ".join(f"{k} {v:.0%}" for k, v in shares.items())
+                     + ("; WARNING: " + ", ".join(r["busy_phases"]) + " measured on a busy "
+                        "machine" if r["busy_phases"] else ""))
+    return "\n".join(lines)
+
+
+def _cmd(args) -> int:
+    from odma_cli import jsonout
+
+    def progress(text):
+        if not args.quiet:
+            sys.stderr.write(text + "\n")
+            sys.stderr.flush()
+
+    result = calibrate(args, progress)
+    print(jsonout.dumps(result, indent=1) if args.json else format_summary(result))
+    return 0
+
+
+def register(subparsers) -> None:
+    from odma_cli import argtypes
+
+    from allocator.serving.models import DTYPES, shipped_configs
+
+    p = subparsers.add_parser(
+        "calibrate", help="measure a torch device and write a card file for simulate --device",
+        description="Measure on a torch device what a card file needs, so that `odma-hw "
+                    "simulate --device CARD` predicts `odma-hw engine` there: the bandwidth of "
+                    "random contiguous runs by size, sequential and copy bandwidth (by the "
+                    "native probe of the same memory where odma-hw has one, else torch's gather: "
+                    "--memory; written beside the card as an `odma-hw probe --json` file, "
+                    "CARD.probe.json); matmul "
+                    "throughput at the engine's dtype over --model's layer and LM-head shapes, at "
+                    "a prefill row count and at decode row counts; the engine's own KV read "
+                    "rate by run length; and the per-step, per-layer, "
+                    "per-request and per-request-per-layer overheads of the engine's decode "
+                    "and prefill steps and its serving loop, fitted on --model cut to "
+                    "2 and 6 layers. link_gbps and link_latency_us are not measured: the card "
+                    "carries placeholders and says so. About 4 minutes for qwen2.5-0.5b on a quiet "
+                    "2-core CPU, most of it the LM head's products and steps (--quick "
+                    "--model tiny-llama: 15 s); "
+                    "other processes running meanwhile make every figure wrong, and a warning "
+                    "says so.")
+    p.add_argument("--device", default="torch:cpu", metavar="torch:DEV",
+                   help="the torch device the engine runs on (default torch:cpu; torch:cuda:0, "
+                        "torch:mlu:0)")
+    p.add_argument("--out", required=True, metavar="CARD.toml",
+                   help="the card to write, TOML (CARD.toml) or JSON (CARD.json); its probe "
+                        "file goes beside it (CARD.probe.json), and a link at either is "
+                        "replaced, not followed. Checked before anything is measured")
+    p.add_argument("--name", default=None,
+                   help="the card's name (default calibrated-<device>, e.g. "
+                        "calibrated-torch-cpu)")
+    p.add_argument("--model", default="qwen2.5-0.5b", metavar="CONFIG",
+                   help=f"the model the card is for: its matrix products (every layer's "
+                        f"and the LM head's shapes) are timed, its KV read by the engine's "
+                        f"attention, and the engine's steps run on it cut to 2 and 6 layers. "
+                        f"A config.json, a directory "
+                        f"holding one, or one of {', '.join(shipped_configs())} (default "
+                        f"qwen2.5-0.5b)")
+    p.add_argument("--dtype", default=None, choices=list(DTYPES),
+                   help="the engine's dtype (default: float32 on a CPU, bfloat16 on a GPU or "
+                        "MLU); bfloat16 throughput is measured in any case")
+    p.add_argument("--prefill-tokens", type=argtypes.positive_int, default=256, metavar="N",
+                   help="rows of the prefill-shape matmul (default 256)")
+    p.add_argument("--quick", action="store_true",
+                   help="fewer repetitions, shapes and run sizes, and a quarter of the working "
+                        "set (for tests)")
+    p.add_argument("--memory", default="auto", choices=list(MEMORY_MODES),
+                   help="what measures the card's memory figures (run reads, sequential read, "
+                        "copy): native, odma-hw's native probe of the same memory (host for "
+                        "torch:cpu, cuda:N for torch:cuda:N, mlu:N for torch:mlu:N), whose "
+                        "kernels read as the engine's own attention kernels do; torch, torch's "
+                        "gather (index_select), sum and copy_; auto (default), native where "
+                        "there is a native backend, torch's gather, said in one line, where it "
+                        "is absent or fails")
+    p.add_argument("--seed", type=argtypes.seed, default=0,
+                   help="seeds the random runs, weights and tokens (default 0)")
+    p.add_argument("--json", action="store_true", help=f"print one JSON object ({SCHEMA})")
+    p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    p.set_defaults(func=_cmd)

@@ -1,0 +1,284 @@
+"""What the engine itself costs on a device, measured for a card: the rate its attention kernel
+reads KV runs at, by run length (the card's engine_run_gbps), and the time of its own decode and
+prefill steps over the batches and contexts it serves (fitted into the card's overheads by
+fit.py).
+
+Both run the engine's code as it serves: Runner steps over KVPool blocks of a policy's
+allocator, and decode_attention over run tables with the backend the engine picks on the device
+(Triton on CUDA, the batched torch path elsewhere).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import numpy as np
+
+from allocator.serving.cards.fit import nnls
+from allocator.serving.cards.measure import Effort, graphed, synchronizer
+
+FIT_POLICY = "static"                  # contiguous blocks, as the engine's odma and static keep
+READ_LAYERS = 4                        # layers of the pool the read measurement cycles through
+ACCELERATOR_READS = (64, (1024, 4096))  # requests, and the two contexts, on an accelerator
+
+
+def _quartiles(t: list) -> dict:
+    q1, _, q3 = statistics.quantiles(t, n=4) if len(t) > 1 else (t[0], t[0], t[0])
+    return {"step_s": statistics.median(t), "step_min_s": min(t), "step_max_s": max(t),
+            "step_q1_s": q1, "step_q3_s": q3}
+
+
+def time_in_turns(sync, calls: list, warmup: int, reps: int) -> list[dict]:
+    """Median (and spread) seconds of each of `calls`, timed one call each per round: a burst of
+    load from elsewhere on the machine then slows every shape alike instead of all the calls of
+    one, which would bend a fit or a slope."""
+    for call in calls:
+        for _ in range(warmup):
+            call()
+    times = [[] for _ in calls]
+    for _ in range(reps):
+        for call, t in zip(calls, times):
+            sync()
+            t0 = time.perf_counter()
+            call()
+            sync()
+            t.append(time.perf_counter() - t0)
+    return [_quartiles(t) for t in times]
+
+
+# ------------------------------------------------------------------ the attention's read rate
+def read_tables(torch, device, dtype, run_tokens: int, batch: int, context: int, kv_heads: int,
+                head_dim: int, rng):
+    """(pool, RunTable): `batch` requests of `context` tokens, each in regions of `run_tokens`
+    tokens (the last partly filled) laid out head-major for READ_LAYERS layers as the engine's
+    KVPool lays them out, the regions in random order; random KV."""
+    from allocator.serving.engine import run_attention as ra
+
+    per_region = READ_LAYERS * 2 * kv_heads * run_tokens * head_dim     # elements
+    per_req = -(-context // run_tokens)
+    slots = rng.permutation(batch * per_req)
+    pool = torch.randn(batch * per_req * per_region, dtype=torch.float32).to(device, dtype)
+    requests = [[(int(slots[b * per_req + j]) * per_region, run_tokens,
+                  min(run_tokens, context - j * run_tokens)) for j in range(per_req)]
+                for b in range(batch)]
+    runs = ra.RunTable.from_requests(requests, device, max_context=context,
+                                     align=16 // pool.element_size())
+    return pool, runs
+
+
+def read_shape(effort: Effort, device) -> tuple[int, tuple]:
+    """(requests, (short, long context)) of the read measurement on `device`: an accelerator
+    reads a CPU's working set in microseconds, so there more of it (ACCELERATOR_READS)."""
+    return ((effort.read_batch, effort.read_contexts) if device.type == "cpu"
+            else ACCELERATOR_READS)
+
+
+def measure_engine_reads(torch, dev: dict, dtype: str, config, effort: Effort,
+                         seed: int) -> dict:
+    """The engine's attention reading KV in runs of each of effort.read_run_tokens tokens (a
+    page of that many tokens; a contiguous block is one run of its whole context), for
+    `config`'s heads: one step's decode_attention over READ_LAYERS layers of effort.read_batch
+    requests (ACCELERATOR_READS on an accelerator), the step's run table fresh each time (the
+    torch path rebuilds its gather index every step, as the engine's steps do; on CUDA the step
+    is a graph replay, as the engine's decode steps are), timed at two contexts. The rate is
+    the KV bytes the longer context adds over the time it adds: what each further token costs,
+    the step's fixed costs (launches, the table's set-up) cancelled, which the step overheads
+    carry instead; none where the longer context did not take longer (noise).
+    Returns {"gbps": {run bytes: GB/s}, "points": [...], "backend": ...}; a run's bytes are
+    run tokens x head_dim x the element size: one (layer, K or V, KV head) run, as the
+    simulator's step timer sizes runs."""
+    from allocator.serving.engine import run_attention as ra
+    from allocator.serving.models import head_dim
+
+    device = dev["device"]
+    tdtype = getattr(torch, dtype)
+    kvh, heads, D = config.num_key_value_heads, config.num_attention_heads, head_dim(config)
+    backend = ra.attention_backend(device)
+    rng = np.random.default_rng(seed)
+    B, (short, long) = read_shape(effort, device)
+    q = torch.randn(B, heads, D, dtype=torch.float32).to(device, tdtype)
+    calls, shapes = [], []
+    with torch.no_grad():
+        for tokens in (*effort.read_run_tokens, long):
+            for context in (short, long):
+                pool, runs = read_tables(torch, device, tdtype, min(tokens, context), B,
+                                         context, kvh, D, rng)
+
+                def step(pool=pool, runs=runs):
+                    runs.reset()         # the torch path's index, rebuilt each step
+                    for layer in range(READ_LAYERS):
+                        ra.decode_attention(q, pool, runs, layer, kvh, D, D ** -0.5,
+                                            backend=backend)
+                calls.append(graphed(torch, device, step))
+                shapes.append((tokens, context))
+        times = time_in_turns(synchronizer(torch, device), calls, effort.fit_warmup,
+                              effort.fit_reps)
+    element = torch.empty((), dtype=tdtype).element_size()
+    added = B * (long - short) * READ_LAYERS * 2 * kvh * D * element
+    gbps, points = {}, []
+    for k in range(0, len(shapes), 2):
+        tokens = shapes[k][0]
+        dt = times[k + 1]["step_s"] - times[k]["step_s"]
+        rate = added / dt / 1e9 if dt > 0 else None
+        run_bytes = tokens * D * element
+        if rate is not None:
+            gbps[run_bytes] = rate
+        points.append({"run_tokens": tokens, "run_bytes": run_bytes, "batch": B,
+                       "contexts": [short, long], "short_s": times[k]["step_s"],
+                       "long_s": times[k + 1]["step_s"], "gbps": rate,
+                       "whole_context": tokens == long})
+    return {"gbps": dict(sorted(gbps.items())), "points": points, "backend": backend,
+            "layers": READ_LAYERS, "kv_heads": kvh, "head_dim": D, "dtype": dtype}
+
+
+# ------------------------------------------------------------------ the engine's steps
+def _engine(torch, dev, dtype, config, layers, blocks, max_len, max_batch, seed):
+    """(allocator, Runner) of `config` cut to `layers` layers, random weights, a static pool of
+    `blocks` blocks of max_len tokens (twice that: room for the allocator's alignment), the
+    attention backend and CUDA graphs the engine serves with by default on the device."""
+    from allocator.config import AllocatorConfig
+    from allocator.policies import make_allocator
+    from allocator.serving.engine import run_attention
+    from allocator.serving.engine.kv_runs import KVPool
+    from allocator.serving.engine.runner import Runner, make_graphs
+    from allocator.serving.engine.serve import build_model, use_graphs
+    from allocator.serving.models import head_dim, kv_bytes_per_token
+
+    config = type(config).from_dict(config.to_dict())
+    config.num_hidden_layers = layers
+    model = build_model(config, dtype, str(dev["device"]), seed)
+    bpt = kv_bytes_per_token(config, dtype)
+    alloc_config = AllocatorConfig(background_refresh=False)
+    alloc = make_allocator(FIT_POLICY, dev["spec"], 2 * blocks * max_len * bpt, bpt, max_len,
+                           alloc_config)
+    backend = run_attention.attention_backend(dev["device"])
+    runner = Runner(model, KVPool(alloc, config, getattr(torch, dtype), head_dim(config)),
+                    backend)
+    if use_graphs("auto", dev["device"], backend):
+        unit = alloc_config.token_alignment
+        make_graphs(runner, max_batch, max_batch * (-(-max_len // unit) + 1))
+    return alloc, runner
+
+
+def measure_steps(torch, dev: dict, dtype: str, config, effort: Effort, seed: int) -> dict:
+    """Median seconds of the engine's own steps on `config` cut to each of effort.fit_layers
+    layers: decode steps (Runner.decode, then the argmax of every row read back once, as the
+    serving loop takes a step's tokens) at each batch of effort.fit_batches x context of
+    effort.fit_contexts, every request that many tokens into its static block (re-decoding the
+    same position, so every timed step has the same shape); and whole-prompt prefill steps
+    (Runner.prefill) of effort.prefill_shapes (requests x prompt tokens); the attention and
+    CUDA graphs as the engine serves by default on the device. Shapes take turns
+    (time_in_turns). {"decode": [...], "prefill": [...]}, each point its shape and times."""
+    contexts = [c for c in effort.fit_contexts if c < config.max_position_embeddings]
+    most = max(effort.fit_batches)
+    max_len = max(max(contexts), max(p for _, p in effort.prefill_shapes)) + 1
+    blocks = most * len(contexts) + max(b for b, _ in effort.prefill_shapes)
+    rng = np.random.default_rng(seed)
+    allocs, calls, shapes = [], [], []
+    try:
+        for layers in effort.fit_layers:
+            alloc, runner = _engine(torch, dev, dtype, config, layers, blocks, max_len, most,
+                                    seed)
+            allocs.append(alloc)
+            vocab = config.vocab_size
+            for k, context in enumerate(contexts):
+                # requests of their own per context; their prompts' KV first, so that
+                # attention reads real numbers
+                ids = list(range(k * most, (k + 1) * most))
+                for i in ids:
+                    alloc.reserve(i, context, 1, 0.0)
+                runner.prefill([(i, torch.from_numpy(rng.integers(3, vocab, context)))
+                                for i in ids])
+                for batch in effort.fit_batches:
+                    tokens = rng.integers(3, vocab, batch).tolist()
+                    calls.append(_decode_call(runner, tokens, context, base=k * most))
+                    shapes.append(("decode", layers, batch, context + 1))
+            base = len(contexts) * most          # the prefills' requests come after
+            for batch, prompt in effort.prefill_shapes:
+                calls.append(_prefill_call(torch, runner, alloc, rng, vocab, base, batch,
+                                           prompt))
+                base += batch
+                shapes.append(("prefill", layers, batch, prompt))
+        with torch.no_grad():
+            times = time_in_turns(synchronizer(torch, dev["device"]), calls, effort.fit_warmup,
+                                  effort.fit_reps)
+    finally:
+        for alloc in allocs:
+            alloc.close()
+    out = {"decode": [], "prefill": []}
+    for (kind, layers, batch, tokens), t in zip(shapes, times):
+        key = "context" if kind == "decode" else "prompt"
+        out[kind].append({"layers": layers, "batch": batch, key: tokens, **t})
+    return out
+
+
+def _decode_call(runner, tokens, context: int, base: int):
+    """One decode step of requests base .. base + len(tokens) - 1, each at position `context`."""
+    batch = len(tokens)
+    ids = list(range(base, base + batch))
+    positions = [context] * batch
+
+    def step():
+        runner.decode(tokens, positions, ids).argmax(-1).tolist()
+    return step
+
+
+def _prefill_call(torch, runner, alloc, rng, vocab: int, base: int, batch: int, prompt: int):
+    """One whole-prompt prefill step of `batch` prompts of `prompt` tokens, into blocks
+    reserved for them (requests base ..), rewritten every call."""
+    ids = list(range(base, base + batch))
+    for i in ids:
+        alloc.reserve(i, prompt, 1, 0.0)
+    prompts = [(i, torch.from_numpy(rng.integers(3, vocab, prompt))) for i in ids]
+
+    def step():
+        runner.prefill(prompts).argmax(-1).tolist()
+    return step
+
+
+
+# ------------------------------------------------------------------ the serving loop
+LOOP_PROMPT, LOOP_OUTPUT = 16, 64       # each request of the loop's runs: prompt, tokens made
+
+
+def measure_loop(torch, dev: dict, dtype: str, config, effort: Effort, seed: int,
+                 decode: list) -> dict:
+    """What the engine's serving loop adds to its steps (scheduling, the allocator, taking each
+    step's tokens): the engine serves `batch` requests of LOOP_PROMPT prompt tokens making
+    LOOP_OUTPUT tokens each, all at once, in static blocks, at the fewest of effort.fit_layers
+    layers, for the smallest and the largest of effort.fit_batches; each run's seconds per step
+    less the Runner's decode step of that batch at the shortest context (`decode`, from
+    measure_steps) is the loop's, fitted as per step + batch x per request (>= 0). The first
+    step, the prompts', is left out of both."""
+    from allocator.serving.engine.serve import build_model, serve
+    from allocator.serving.models import kv_bytes_per_token
+
+    layers = min(effort.fit_layers)
+    short = min(q["context"] for q in decode)
+    cut = type(config).from_dict(config.to_dict())
+    cut.num_hidden_layers = layers
+    model = build_model(cut, dtype, str(dev["device"]), seed)
+    rng = np.random.default_rng(seed)
+    points = []
+    for batch in sorted({min(effort.fit_batches), max(effort.fit_batches)}):
+        prompts = [torch.from_numpy(rng.integers(3, config.vocab_size, LOOP_PROMPT))
+                   for _ in range(batch)]
+        pool = 2 * batch * (LOOP_PROMPT + LOOP_OUTPUT) * kv_bytes_per_token(cut, dtype)
+        runs = []
+        for _ in range(2):                  # the first: compile, capture; the second timed
+            runs.append(serve(model, prompts, [LOOP_OUTPUT] * batch, [0.0] * batch,
+                              FIT_POLICY, pool_bytes=pool, max_batch=batch,
+                              max_model_len=LOOP_PROMPT + LOOP_OUTPUT, seed=seed))
+        run = runs[-1]
+        first = min(float(r.first_token) for r in run["requests"])
+        step = (run["seconds"] - first) / max(1, run["steps"] - 1)
+        runner = next(q["step_s"] for q in decode
+                      if (q["layers"], q["batch"], q["context"]) == (layers, batch, short))
+        points.append({"batch": batch, "layers": layers, "steps": run["steps"],
+                       "step_s": step, "runner_step_s": runner, "loop_s": step - runner})
+    A = np.array([[1.0, p["batch"]] for p in points])
+    y = np.array([p["loop_s"] for p in points])
+    k, b = (float(v) for v in nnls(A, y)) if len(points) > 1 else (max(0.0, y[0]), 0.0)
+    return {"step_s": k, "request_s": b, "points": points,
+            "prompt": LOOP_PROMPT, "output": LOOP_OUTPUT}

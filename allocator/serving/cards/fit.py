@@ -1,0 +1,156 @@
+"""The fit behind a card's overheads: what the simulator's own step timer predicts of the
+engine's measured steps without overheads (the floor), and the overhead terms fitted to what
+remains, each >= 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import numpy as np
+
+from odma_cli.errors import BadArgument
+
+# ----------------------------------------------------------------------------- the fit
+def nnls(A, y) -> np.ndarray:
+    """argmin ||A x - y|| over x >= 0, for a few columns: the least-squares solution on every
+    subset of the columns (the others held at 0), the best of those that are nonnegative. The
+    optimum is among them (on its own support it is the unconstrained least-squares solution),
+    so this is exact for a matrix of full column rank; 2^n solves, meant for n <= 8 (scipy is
+    not a dependency)."""
+    A = np.asarray(A, dtype=np.float64)
+    y = np.asarray(y, dtype=np.float64)
+    if A.ndim != 2 or y.shape != (A.shape[0],) or not 1 <= A.shape[1] <= 8:
+        raise BadArgument(f"nnls needs an (m, n) matrix with 1 <= n <= 8 and m values, got "
+                          f"{A.shape} and {y.shape}")
+    if not (np.isfinite(A).all() and np.isfinite(y).all()):
+        raise BadArgument("nnls: the matrix and the values must be finite")
+    n = A.shape[1]
+    best, best_cost = np.zeros(n), float(y @ y)
+    for k in range(1, n + 1):
+        for cols in itertools.combinations(range(n), k):
+            sub = list(cols)
+            x_sub = np.linalg.lstsq(A[:, sub], y, rcond=None)[0]
+            if (x_sub < 0).any():
+                continue
+            x = np.zeros(n)
+            x[sub] = x_sub
+            r = A @ x - y
+            cost = float(r @ r)
+            if cost < best_cost * (1 - 1e-12):   # ties: the sparser solution found first
+                best, best_cost = x, cost
+    return best
+
+
+def fit_relative(columns: dict, overhead, step, what: str) -> tuple[dict, np.ndarray]:
+    """overhead ~ sum of each column times its coefficient (each >= 0), every point's error
+    relative to its whole step time `step` (a 1 ms step and a 10 ms step count alike: a plain
+    fit would give the short steps, where the overheads are most of the step, almost no say).
+    ({name: coefficient}, each point's fitted overhead); BadArgument naming `what` for fewer
+    points than columns + 1 or a step time that is not positive."""
+    A = np.column_stack([np.asarray(c, dtype=np.float64) for c in columns.values()])
+    o = np.asarray(overhead, dtype=np.float64)
+    s = np.asarray(step, dtype=np.float64)
+    if not (A.ndim == 2 and o.shape == s.shape == (A.shape[0],)
+            and A.shape[0] > A.shape[1]):
+        raise BadArgument(f"the {what} fit needs at least {A.shape[1] + 1} points, each with "
+                          f"its shape, overhead and step time")
+    if not (s > 0).all():
+        raise BadArgument("step times must be positive")
+    x = nnls(A / s[:, None], o / s)
+    return dict(zip(columns, (float(v) for v in x))), A @ x
+
+
+def fit_overheads(layers, batch, overhead, step) -> dict:
+    """Fit a decode step's overhead ~ k + layers x a + layers x batch x c + batch x b (seconds,
+    fit_relative). k is the step's own work outside the layers (embedding, rotary tables, final
+    norm, LM head, the argmaxes, the step's tables): without it the fit would pass it off as
+    per-layer and per-request cost, each then wrong for any other depth. Returns the
+    coefficients in seconds and each point's fitted overhead."""
+    L = np.asarray(layers, dtype=np.float64)
+    B = np.asarray(batch, dtype=np.float64)
+    got, fitted = fit_relative({"step_s": np.ones_like(L), "layer_s": L,
+                                "layer_request_s": L * B, "request_s": B},
+                               overhead, step, "overhead")
+    return {**got, "fitted_s": fitted}
+
+
+def fit_prefill_overheads(layers, prompts, overhead, step) -> dict:
+    """Fit a prompt step's overhead ~ k + layers x a + layers x prompts x c (seconds,
+    fit_relative): per step, per layer, per prompt per layer (the engine attends each whole
+    prompt on its own). The card's prefill_* keys, in microseconds."""
+    L = np.asarray(layers, dtype=np.float64)
+    P = np.asarray(prompts, dtype=np.float64)
+    got, _ = fit_relative({"prefill_step_overhead_us": np.ones_like(L),
+                           "prefill_layer_overhead_us": L,
+                           "prefill_layer_request_overhead_us": L * P},
+                          overhead, step, "prefill overhead")
+    return {k: v * 1e6 for k, v in got.items()}
+
+
+def card_overheads(fit: dict) -> dict:
+    """The card's four overheads (microseconds), as fitted: on --model itself at two depths,
+    so each holds at the model's own depth."""
+    return {"step_overhead_us": fit["step_s"] * 1e6,
+            "layer_overhead_us": fit["layer_s"] * 1e6,
+            "request_overhead_us": fit["request_s"] * 1e6,
+            "layer_request_overhead_us": fit["layer_request_s"] * 1e6}
+
+
+def timer(spec, layers: int, max_len: int, dtype: str, timing, tflops: float, matmul: dict,
+          engine_gbps: dict | None, overheads: dict | None = None):
+    """The simulator's StepTimer for `spec` cut to `layers` layers on a card of the figures
+    just measured (`tflops` at the engine's `dtype`, the matmul table by rows, the engine's
+    run-read table), with `overheads` (card keys; none: all 0)."""
+    from allocator.serving.cards.presets import Accelerator
+    from allocator.serving.sim.replica import ServingSetup
+    from allocator.serving.sim.steptime import StepTimer
+
+    sim_dtype = {"float32": "fp32", "bfloat16": "bf16"}[dtype]
+    over = {"layer_overhead_us": 0.0, "request_overhead_us": 0.0, **(overheads or {})}
+    card = Accelerator("calibrating", timing.seq_gbps, 1e3, tflops, "ideal", 1.0, 0.0,
+                       tflops_fp32=tflops, mfu=1.0, matmul_tflops=tuple(sorted(matmul.items())),
+                       engine_run_gbps=tuple(sorted(engine_gbps.items())) if engine_gbps
+                       else None, **over)
+    setup = ServingSetup(dataclasses.replace(spec, layers=layers), card, timing, dtype=sim_dtype,
+                         max_model_len=max_len, mfu=1.0)
+    return StepTimer(setup, "contiguous")
+
+
+def predicted_floor(spec, layers: int, batch: int, context: int, dtype: str, timing,
+                    tflops: float, matmul: dict, engine_gbps: dict | None = None) -> dict:
+    """The simulator's own max(memory, compute) of one decode step (StepTimer.decode_terms) of
+    `spec` at `layers` layers, `batch` requests of `context` tokens each in contiguous blocks,
+    with no overheads: what remains of a measured step is the overheads."""
+    from types import SimpleNamespace
+
+    t = timer(spec, layers, context + 1, dtype, timing, tflops, matmul, engine_gbps)
+    for _ in range(batch):
+        r = SimpleNamespace()
+        t.linearize(r, 0, context, None)
+        t.add(r, +1)
+    memory, compute = t.decode_terms(batch, 0)
+    return {"memory_s": memory, "compute_s": compute, "floor_s": max(memory, compute)}
+
+
+def predicted_prefill(spec, layers: int, batch: int, prompt: int, dtype: str, timing,
+                      tflops: float, matmul: dict, engine_gbps: dict | None,
+                      overheads: dict) -> float:
+    """The simulator's seconds of one whole-prompt prefill step of `batch` prompts of `prompt`
+    tokens (StepTimer.prefill), with `overheads` (card keys; {}: none)."""
+    t = timer(spec, layers, prompt + 1, dtype, timing, tflops, matmul, engine_gbps, overheads)
+    return t.prefill([(prompt, 0)] * batch)[0]
+
+
+def relative_residuals(points, measured: str, fitted: str) -> dict:
+    """Each point's (measured - fitted) / measured, set as its "relative_residual"; the rms and
+    the largest in size."""
+    rel = []
+    for q in points:
+        q["residual_s"] = q[measured] - q[fitted]
+        q["relative_residual"] = q["residual_s"] / q[measured]
+        rel.append(q["relative_residual"])
+    rel = np.array(rel)
+    return {"rms_relative_residual": float(np.sqrt(np.mean(rel ** 2))) if rel.size else 0.0,
+            "max_relative_residual": float(np.abs(rel).max()) if rel.size else 0.0}

@@ -1,0 +1,311 @@
+"""The engine's forward pass: a transformers model's own modules (embedding, norms, projections,
+rotary embedding, MLP, head) around attention over KV in the allocator's pool, one batched step
+at a time, optionally replayed from CUDA graphs.
+
+A step packs every token it runs into one matrix: decodes first (one token each), then prompt
+chunks that continue a context, then whole prompts. Per layer the step stores the K and V of all
+its tokens with one scatter (slots from the run tables, as vLLM's reshape_and_cache) and attends
+in at most three calls: the decodes through the run-table decode kernel, the chunks through the
+run-table prefill kernel, and each whole prompt through a dense causal attention over its own K
+and V (compute-bound: nothing to read back). The tables are built once per step on the host
+(allocator/serving/engine/kv_runs.py) and moved to the device before the first layer; nothing inside
+the layers waits for the host, and the step's one synchronisation is reading its tokens back.
+
+Decode-only steps can be captured as CUDA graphs, one per padded batch size (1, 2, 4, 8, then
+steps of 8 up to the largest batch, as vLLM pads), over static buffers for ids, positions,
+slots and run tables; a step copies its values into them and replays. Padded lanes have no runs
+(their attention is zeros) and a negative slot (their K and V are not stored).
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib
+import sys
+
+import numpy as np
+import torch
+
+from odma_cli.errors import one_line
+
+from allocator.serving.engine import run_attention
+from allocator.serving.engine.kv_runs import KVPool
+
+
+def dense_attention():
+    """The SDPA backends whole prompts may use: flash, memory-efficient, math, never cuDNN's,
+    which builds a plan for every new sequence length (about 40 ms each on an H100 with torch
+    2.11, against 0.3 ms for flash): a run whose prompts have hundreds of distinct lengths
+    spent seconds there, and only the first run of a process did."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                        SDPBackend.MATH])
+
+
+def graph_sizes(max_batch: int) -> list[int]:
+    """The padded batch sizes decode graphs are captured for: 1, 2, 4, 8, then steps of 8."""
+    return [s for s in (1, 2, 4) if s < max_batch] + list(range(8, max_batch, 8)) + [max_batch]
+
+
+class Runner:
+    """Batched steps of `model` over the KV in `kv` with attention `backend` ("torch" or
+    "triton"); decode steps from CUDA graphs when `graphs` is a DecodeGraphs."""
+
+    def __init__(self, model, kv: KVPool, backend: str = "torch"):
+        self.model = model
+        self.inner = model.model
+        self.kv = kv
+        self.backend = backend
+        mod = importlib.import_module(type(model).__module__)
+        self.rope = mod.apply_rotary_pos_emb
+        self.kv_heads = model.config.num_key_value_heads
+        self.head_dim = kv.head_dim
+        self.scale = self.head_dim ** -0.5
+        self.device = next(model.parameters()).device
+        self.graphs = None
+
+    # ------------------------------------------------------------------ tables to the device
+    def _host(self, array):
+        """A host tensor of `array` that a copy to the device need not wait for (pinned)."""
+        t = torch.from_numpy(array)
+        return t.pin_memory() if self.device.type == "cuda" else t
+
+    def _to_device(self, array):
+        return self._host(array).to(self.device, non_blocking=True)
+
+    def _runs(self, tables):
+        return self.run_table(**{f: self._to_device(getattr(tables, f))
+                                 for f in run_attention.TABLE_FIELDS})
+
+    def run_table(self, **tensors):
+        """A RunTable of these device tensors, with what the kernels may assume of every table:
+        no context beyond the pool's longest request, offsets aligned as the allocator aligns."""
+        return run_attention.RunTable(**tensors, max_context=self.kv.alloc.max_tokens,
+                                      align=self.kv.align)
+
+    # ------------------------------------------------------------------ the layers
+    def layers(self, ids, pos, slot, slot_cap, attend):
+        """The decoder stack over the packed token ids at positions `pos` (device tensors, [N]),
+        storing each token's K and V at its slot, attention by attend(layer, q, k, v) -> o (each
+        [N, heads, head_dim]); the final norm's output [N, hidden]."""
+        x = self.inner.embed_tokens(ids)[None]
+        cos, sin = self.inner.rotary_emb(x, pos[None])
+        n, D = ids.shape[0], self.head_dim
+        step = {}                          # what every layer's store of this step shares
+        for layer, block in enumerate(self.inner.layers):
+            attn = block.self_attn
+            h = block.input_layernorm(x)
+            q = attn.q_proj(h).view(1, n, -1, D).transpose(1, 2)
+            k = attn.k_proj(h).view(1, n, -1, D).transpose(1, 2)
+            v = attn.v_proj(h).view(1, n, -1, D)[0]
+            q, k = self.rope(q, k, cos, sin)
+            q, k = q[0].transpose(0, 1), k[0].transpose(0, 1)
+            run_attention.store_kv(self.kv.flat, k, v, slot, slot_cap, layer, self.kv_heads, D,
+                                   backend=self.backend, align=self.kv.align, cache=step)
+            o = attend(layer, q, k, v)
+            x = x + attn.o_proj(o.reshape(1, n, -1))
+            x = x + block.mlp(block.post_attention_layernorm(x))
+        return self.inner.norm(x)[0]
+
+    def _decode_attend(self, runs, n_dec):
+        """attend() for the first n_dec rows of a step, decodes over `runs`."""
+        def attend(layer, q, k, v):
+            return run_attention.decode_attention(q[:n_dec], self.kv.flat, runs, layer,
+                                                  self.kv_heads, self.head_dim, self.scale,
+                                                  backend=self.backend)
+        return attend
+
+    # ------------------------------------------------------------------ one step
+    @torch.no_grad()
+    def forward(self, batch):
+        """One step over `batch`: (request i, its next token ids, the position of the first); a
+        decode is one token after its context, a prompt chunk several after one, a whole prompt
+        starts at 0. The logits of each one's last token, (len(batch), vocab), in batch order."""
+        sizes = [len(ids) for _, ids, _ in batch]
+        kind = [0 if start and n == 1 else 1 if start else 2
+                for (_, _, start), n in zip(batch, sizes)]
+        order = sorted(range(len(batch)), key=kind.__getitem__)
+        batch = [batch[j] for j in order]
+        sizes = [sizes[j] for j in order]
+        kinds = [kind[j] for j in order]
+        n_dec, n_chunk = kinds.count(0), kinds.count(1)
+        if n_dec == len(batch) and self.graphs is not None:
+            logits = self.graphs.decode(batch)
+            if logits is not None:
+                return self._unorder(logits, order)
+        ends = np.cumsum(sizes)
+        ids = np.concatenate([np.asarray(t, dtype=np.int64).reshape(-1) for _, t, _ in batch])
+        pos = np.concatenate([np.arange(s, s + n, dtype=np.int64)
+                              for (_, _, s), n in zip(batch, sizes)])
+        writers = [(i, s, n) for (i, _, s), n in zip(batch, sizes)]
+        dec = self.kv.step_tables([(i, s + 1) for i, _, s in batch[:n_dec]], writers)
+        runs_dec = self._runs(dec) if n_dec else None
+        chunk = batch[n_dec:n_dec + n_chunk]
+        runs_chunk = (self._runs(self.kv.step_tables(
+            [(i, s + n) for (i, _, s), n in zip(chunk, sizes[n_dec:])], []))
+            if n_chunk else None)
+        q_start = np.asarray(ends[n_dec:n_dec + n_chunk] - sizes[n_dec:n_dec + n_chunk]
+                             - (ends[n_dec - 1] if n_dec else 0), dtype=np.int32)
+        chunk_q = tuple(self._to_device(np.asarray(a, dtype=np.int32)) for a in (
+            q_start, sizes[n_dec:n_dec + n_chunk], [s for _, _, s in chunk]))
+        chunk_rows = slice(int(ends[n_dec - 1]) if n_dec else 0,
+                           int(ends[n_dec + n_chunk - 1]) if n_chunk else 0)
+        longest_chunk = max(sizes[n_dec:n_dec + n_chunk], default=0)
+        prompts = [(int(e - n), int(e)) for e, n, k in zip(ends, sizes, kinds) if k == 2]
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        decode = self._decode_attend(runs_dec, n_dec)
+
+        def attend(layer, q, k, v):
+            if n_dec == len(batch):          # a decode-only step: no rows to put together
+                return decode(layer, q, k, v)
+            o = torch.empty_like(q)
+            if n_dec:
+                o[:n_dec] = decode(layer, q, k, v)
+            if n_chunk:
+                o[chunk_rows] = run_attention.prefill_attention(
+                    q[chunk_rows], self.kv.flat, runs_chunk, *chunk_q, layer, self.kv_heads,
+                    self.head_dim, self.scale, backend=self.backend, max_q_len=longest_chunk)
+            if prompts:                  # whole prompts: their own K and V, no read back
+                with dense_attention():
+                    for a, b in prompts:
+                        o[a:b] = sdpa(q[None, a:b].transpose(1, 2), k[None, a:b].transpose(1, 2),
+                                      v[None, a:b].transpose(1, 2), is_causal=b - a > 1,
+                                      enable_gqa=True)[0].transpose(0, 1)
+            return o
+
+        hidden = self.layers(self._to_device(ids), self._to_device(pos),
+                             self._to_device(dec.slot), self._to_device(dec.slot_cap), attend)
+        logits = self.model.lm_head(hidden[torch.from_numpy(ends - 1).to(self.device)])
+        return self._unorder(logits, order)
+
+    def prefill(self, batch):
+        """Run each (request i, its token ids) of `batch` causally from position 0."""
+        return self.forward([(i, ids, 0) for i, ids in batch])
+
+    def decode(self, ids, positions, requests):
+        """One decode step: token ids[b] of request requests[b] at position positions[b];
+        (batch, vocab) logits."""
+        return self.forward([(i, [t], p) for t, p, i in zip(ids, positions, requests)])
+
+    @staticmethod
+    def _unorder(logits, order):
+        """The rows of a step run in `order` back in the batch's order."""
+        if order == sorted(order):
+            return logits
+        return logits[torch.from_numpy(np.argsort(order)).to(logits.device)]
+
+
+class DecodeGraphs:
+    """CUDA graphs of decode-only steps, one per padded batch size, sharing one memory pool;
+    each step copies its ids, positions, slots and run tables into static buffers and replays
+    the graph of the smallest size that holds it. A step whose tables outgrow the buffers runs
+    eagerly (decode() returns None)."""
+
+    def __init__(self, runner: Runner, max_batch: int, max_runs: int):
+        self.runner = runner
+        dev = runner.device
+        self.sizes = graph_sizes(max_batch)
+        top = self.sizes[-1]
+        self.max_runs = max_runs
+        i32, i64 = torch.int32, torch.int64
+        self.ids = torch.zeros(top, dtype=i64, device=dev)
+        self.pos = torch.zeros(top, dtype=i64, device=dev)
+        self.slot = torch.full((top,), -1, dtype=i64, device=dev)
+        self.slot_cap = torch.ones(top, dtype=i64, device=dev)
+        self.tables = {
+            "run_start": torch.zeros(top + 1, dtype=i32, device=dev),
+            "run_off": torch.zeros(max_runs, dtype=i64, device=dev),
+            "run_cap": torch.ones(max_runs, dtype=i32, device=dev),
+            "run_len": torch.zeros(max_runs, dtype=i32, device=dev),
+            "run_pos": torch.zeros(max_runs, dtype=i32, device=dev),
+            "ctx_len": torch.zeros(top, dtype=i32, device=dev)}
+        self.graphs: dict = {}
+        self.logits: dict = {}
+        self.pool = None
+
+    def _static(self, size):
+        t = self.tables
+        return self.runner.run_table(
+            run_start=t["run_start"][:size + 1], run_off=t["run_off"], run_cap=t["run_cap"],
+            run_len=t["run_len"], run_pos=t["run_pos"], ctx_len=t["ctx_len"][:size])
+
+    def _forward(self, size):
+        r = self.runner
+        hidden = r.layers(self.ids[:size], self.pos[:size], self.slot[:size],
+                          self.slot_cap[:size], r._decode_attend(self._static(size), size))
+        return r.model.lm_head(hidden)
+
+    @torch.no_grad()
+    def capture(self) -> None:
+        """Capture every size, largest first (the later graphs reuse the first one's memory).
+        The buffers hold an empty batch meanwhile: no KV is stored, none read."""
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for size in self.sizes:    # warm-up: every size's kernels compiled before capture
+                self._forward(size)
+        torch.cuda.current_stream().wait_stream(stream)
+        for size in reversed(self.sizes):
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=self.pool):
+                self.logits[size] = self._forward(size)
+            self.pool = g.pool() if self.pool is None else self.pool
+            self.graphs[size] = g
+
+    def decode(self, batch):
+        """Logits of a decode-only batch [(request, [token id], position)] from the graph of its
+        padded size, or None when its run tables do not fit the static buffers."""
+        r = self.runner
+        n = len(batch)
+        tables = r.kv.step_tables([(i, s + 1) for i, _, s in batch],
+                                  [(i, s, 1) for i, _, s in batch])
+        if tables.run_off.size > self.max_runs:
+            return None
+        size = next(s for s in self.sizes if s >= n)
+        # padded lanes: no slot (their K and V are not stored), no runs (attention zeros)
+        slot = np.full(size, -1, dtype=np.int64)
+        slot[:n] = tables.slot
+        start = np.full(size + 1, tables.run_start[-1], dtype=np.int32)
+        start[:n + 1] = tables.run_start
+        ctx = np.zeros(size, dtype=np.int32)
+        ctx[:n] = tables.ctx_len
+        runs = tables.run_off.size
+        for dst, src in ((self.ids[:n], np.array([int(t[0]) for _, t, _ in batch])),
+                         (self.pos[:n], np.array([s for _, _, s in batch])),
+                         (self.slot[:size], slot), (self.slot_cap[:n], tables.slot_cap),
+                         (self.tables["run_start"][:size + 1], start),
+                         (self.tables["ctx_len"][:size], ctx),
+                         *((self.tables[f][:runs], getattr(tables, f))
+                           for f in ("run_off", "run_cap", "run_len", "run_pos"))):
+            dst.copy_(r._host(src), non_blocking=True)      # straight into the static buffer
+        self.graphs[size].replay()
+        return self.logits[size][:n]
+
+
+CAPTURE_TRIES = 2
+
+
+def make_graphs(runner: Runner, max_batch: int, max_runs: int, warn=None):
+    """Decode graphs for `runner`, or None (with one line to `warn`) when capture fails twice:
+    the engine then runs every step eagerly. The garbage collector is run before a capture and
+    kept from running during it: a tensor freed then (pinned host memory of an earlier step,
+    whose free queries CUDA events) invalidates the capture, as it did on an H100 once."""
+    why = None
+    for _ in range(CAPTURE_TRIES):
+        graphs = DecodeGraphs(runner, max_batch, max_runs)
+        gc.collect()
+        gc.disable()
+        try:
+            torch.cuda.synchronize()
+            graphs.capture()
+        except Exception as exc:     # (CUDA, out of memory, a kernel that fails to compile)
+            why = one_line(exc, 200) or type(exc).__name__
+            continue
+        finally:
+            gc.enable()
+        runner.graphs = graphs
+        return graphs
+    print(f"odma-hw engine: CUDA graph capture failed ({why}); running eagerly",
+          file=warn or sys.stderr)
+    return None

@@ -1,0 +1,379 @@
+"""`odma-hw simulate`: tokens per second, latency and KV utilization of serving a request trace
+with each KV allocation policy, on an emulated or measured device.
+
+Every policy sees the same requests at the same (Poisson or trace) arrival times; a list of
+rates prints one row per rate and policy.
+
+The command: its parser, compute() (the JSON object a sweep records), --list, and the checks a
+sweep runs before any cell. simulation.py holds simulate(), report.py the table and the
+plot, allocator/serving/options.py the options it shares with `odma-hw engine`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+from odma_cli import argtypes, jsonout, plotting
+from odma_cli.commands import ValueCheck
+from odma_cli.errors import BadArgument, RunFailed
+
+from allocator.config import AllocatorConfig
+from allocator.policies import POLICIES
+from allocator.replay import add_policy_arguments
+from allocator.serving.cards.presets import (DTYPE_BYTES, MODELS, MODEL_ALIASES, accelerator,
+                                             card_names, model_spec)
+from allocator.serving.cards.profiles import engine_profile as load_engine_profile
+from allocator.serving.cards.profiles import profile_names
+from allocator.serving.core.checks import check_scheduling
+from allocator.serving.core.metrics import SIMULATE_METRICS
+from allocator.serving.core.requests import fit_lengths
+from allocator.serving.models import shipped_configs
+from allocator.serving.options import (SERVING_OPTION_UNITS, add_card_argument,
+                                       add_goodput_argument, add_length_caps,
+                                       add_scheduling_arguments, cap_lengths, card_emu, cards_of,
+                                       check_options_used, dtype_argument, goodput_slo,
+                                       parse_policies)
+from allocator.serving.sim.replica import PAGED_LAYOUTS, SCHEDULES, PrefixSettings
+from allocator.serving.sim.report import format_table, plot
+from allocator.serving.sim.simulation import DEFAULT_MFU, simulate
+from allocator.serving.sim.timing import make_timing
+from allocator.trace import load_trace_once, trace_check
+
+# the sweep's warm-up of a simulate cell: the default timing source is the emulator
+from odma_hw.emu.cli import warm_up  # noqa: E402,F401
+
+EVICTIONS = ("lru", "fifo", "random")
+
+SCHEMA = "odma-hw.simulate/1"
+LIST_SCHEMA = "odma-hw.simulate-list/1"
+DEFAULT_POLICIES = "odma,static,paged"
+# the defaults are the ODMA paper's setting; a GPU user's vLLM v1 is one line away
+VLLM_V1 = "--card h100-sxm --layout nhd --max-num-batched-tokens 8192 --max-batch 1024"
+DEFAULTS_NOTE = (f"The defaults are the ODMA paper's: an MLU370-X4, DeepSeek-R1-Distill-Qwen-7B, "
+                 f"vllm-mlu's head-major pages (hnd), whole prompts first, 256 requests at most; "
+                 f"vLLM v1's own on an H100 (its OpenAI server) are: {VLLM_V1}.")
+
+
+def compute(args, results: list | None = None, failed: list | None = None,
+            check_only: bool = False) -> dict:
+    """The JSON object of `odma-hw simulate` for parsed arguments (with the time series);
+    `results`, `failed` and `check_only` as simulate() takes them."""
+    policies = parse_policies(args.policy)
+    config = AllocatorConfig(alpha=args.alpha, tau=args.tau, n_buckets=args.buckets,
+                             bucket_rule=args.bucket_rule, bucket_basis=args.bucket_basis,
+                             large_share=args.large_share, cold_start=args.cold_start,
+                             demand_bound=args.demand_bound, background_refresh=False)
+    profile = (None if args.engine_profile is None
+               else load_engine_profile(args.engine_profile))
+    prefix = None
+    if args.prefix_cache:
+        prefix = PrefixSettings(device_gb=args.cache_device_gb, host_gb=args.cache_host_gb,
+                                disk_gb=args.cache_disk_gb, eviction=args.eviction,
+                                schedule=args.prefix_schedule, prefetch=args.prefetch,
+                                host_to_device_gbps=args.pcie_gbps,
+                                device_to_host_gbps=args.pcie_gbps,
+                                disk_read_gbps=args.disk_read_gbps,
+                                disk_write_gbps=args.disk_write_gbps)
+    results = [] if results is None else results
+    cards = cards_of(args)
+    # several cards: every card's checks before any card's runs (a bad second card is refused
+    # before any work)
+    passes = [True] if check_only else [True, False] if len(cards) > 1 else [False]
+    for check in passes:
+        for card in cards:
+            before = len(failed) if failed is not None else 0
+            simulate(args.trace, policies, args.rate or [None], model=args.model, device=card,
+                     prefix=prefix, timing=args.timing, emu=_card_emu(args, card),
+                     dtype=args.dtype, tp=args.tp, replicas=args.replicas,
+                     requests=args.requests, max_model_len=args.max_model_len, clip=args.clip,
+                     time_scale=args.time_scale, seed=args.seed, config=config,
+                     progress=not args.json or sys.stderr.isatty(), max_batch=args.max_batch,
+                     mfu=args.mfu, memory_utilization=args.memory_utilization,
+                     kv_pool_gb=args.kv_pool_gb, paged_layout=args.layout,
+                     page_tokens=args.page_tokens, predictor=args.predictor,
+                     max_batched_tokens=args.max_num_batched_tokens,
+                     concurrency=args.concurrency, preemption=args.preemption,
+                     swap_space_gb=args.swap_space, swap_gbps=args.pcie_gbps,
+                     cobatch=args.cobatch, results=results, failed=failed, check_only=check,
+                     engine_profile=profile, prompt_cap=args.prompt_cap,
+                     output_cap=args.output_cap, goodput=goodput_slo(args.goodput))
+            for f in (failed or [])[before:]:
+                f["card"] = card
+    return {"schema": SCHEMA, "results": results, "failed": failed or []}
+
+
+def _card_emu(args, card: str):
+    """The emulator settings of one card, the command's emulator options applied."""
+    return card_emu(accelerator(card), args.channels, interleave=args.interleave,
+                    address_map=args.address_map, queue=args.queue, streams=args.streams,
+                    chunk_bytes=args.chunk_bytes)
+
+
+def _show(args, results: list[dict], failed: list[dict]) -> None:
+    if args.json:
+        rows = [dict(r) for r in results]
+        if not args.series:
+            for r in rows:
+                r.pop("series")
+        print(jsonout.dumps({"schema": SCHEMA, "results": rows, "failed": failed}, indent=1))
+    elif results:
+        by_card = {}
+        for r in results:
+            by_card.setdefault(r["settings"]["device"], []).append(r)
+        print("\n\n".join(format_table(rs) for rs in by_card.values()))
+
+
+def kv_head(model: str) -> tuple[str, int]:
+    """(name, head_dim) of what --model names, read as simulate reads it (presets.model_spec;
+    a config's head size by models.check_config's rule): `odma-hw probe --model` asks for it
+    through the command registry (odma_cli/commands.py) to size the model's KV pages."""
+    m = model_spec(model)
+    return m.name, m.head_dim
+
+
+def list_doc() -> dict:
+    """What --list shows: the models --model takes by name and the preset cards."""
+    models = []
+    for name in [*MODELS, *MODEL_ALIASES, *shipped_configs()]:
+        m = model_spec(name)
+        kind = ("alias" if name in MODEL_ALIASES else "preset" if name in MODELS
+                else "shipped config")
+        models.append({"name": name, "kind": kind, "alias_of": MODEL_ALIASES.get(name),
+                       "layers": m.layers, "params": m.params,
+                       "kv_bytes_per_token": m.kv_bytes_per_token,
+                       "max_context": m.max_context})
+    cards = [dataclasses.asdict(accelerator(name)) for name in card_names()]
+    return {"schema": LIST_SCHEMA, "models": models, "cards": cards}
+
+
+def format_list(doc: dict) -> str:
+    def table(head, rows):
+        rows = [head] + rows
+        widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+        return [lines[0], "-" * max(map(len, lines))] + lines[1:]
+
+    out = ["models (--model; also any Hugging Face config.json):"]
+    out += table(["model", "kind", "layers", "params", "KV B/token", "max context"],
+                 [[m["name"], m["kind"] + (f" of {m['alias_of']}" if m["alias_of"] else ""),
+                   str(m["layers"]), f"{m['params'] / 1e9:.2f}B" if m["params"] >= 1e8
+                   else f"{m['params'] / 1e6:.2f}M",
+                   str(m["kv_bytes_per_token"]), str(m["max_context"])]
+                  for m in doc["models"]])
+    out += ["", "cards (--device; also any card file, TOML or JSON):"]
+    out += table(["card", "GB/s", "GB", "TFLOPS bf16", "timing", "file"],
+                 [[c["name"], f"{c['bandwidth_gbps']:g}", f"{c['capacity_gb']:g}",
+                   f"{c['tflops_bf16']:g}", c["timing"], c["path"]] for c in doc["cards"]])
+    return "\n".join(out)
+
+
+def _cmd(args) -> int:
+    if args.list:
+        doc = list_doc()
+        print(jsonout.dumps(doc, indent=1) if args.json else format_list(doc))
+        return 0
+    if args.trace is None:
+        raise BadArgument("simulate needs --trace CSV (or --list)")
+    if args.plot:
+        plotting.check_plot_path(args.plot)
+    results: list[dict] = []
+    failed: list[dict] = []
+    try:
+        compute(args, results, failed)
+    except KeyboardInterrupt:
+        if results:                  # the runs that finished are kept, as a sweep keeps cells
+            _show(args, results, failed)
+        raise
+    _show(args, results, failed)
+    if args.plot and results:
+        plot(results, args.plot)
+    if failed:
+        runs = "; ".join(f"{f['card'] + ' ' if len(cards_of(args)) > 1 else ''}{f['policy']}"
+                         + (f" @ {f['rate']:g} req/s" if f["rate"] else "")
+                         + f": {f['error']}" for f in failed)
+        raise RunFailed(f"{len(failed)} of {len(failed) + len(results)} runs failed (the "
+                          f"others are complete): {runs}")
+    return 0
+
+
+ROW_KEYS = ("settings.device", "policy", "rate")  # what tells apart the rows of one run
+DEFAULT_METRIC = "output_tps"           # what a sweep of simulate prints and plots
+OPTION_UNITS = {**SERVING_OPTION_UNITS, "interleave": "B", "chunk-bytes": "B"}
+METRICS = SIMULATE_METRICS              # the columns a sweep's --metric takes
+
+
+def sweep_checks() -> list[ValueCheck]:
+    """What simulate() refuses before any work, short of measuring (see odma_cli/commands.py)."""
+    def given(a):
+        if a.trace is None:
+            raise BadArgument("simulate needs --trace CSV")
+
+    def fits(a):
+        trace = load_trace_once(a.trace)
+        if a.requests is not None:
+            trace = trace.head(a.requests)
+        trace = cap_lengths(trace, a.prompt_cap, a.output_cap)
+        fit_lengths(trace, a.max_model_len, model_spec(a.model), a.clip)
+
+    def scheduling(a):
+        check_scheduling(a.max_batch, a.max_num_batched_tokens, a.concurrency, a.replicas)
+
+    def timing(a):
+        for card in cards_of(a):
+            dev = accelerator(card)
+            emu = card_emu(dev, a.channels, interleave=a.interleave)
+            make_timing(a.timing or dev.timing, dev.bandwidth_gbps, emu, check_only=True)
+
+    return [ValueCheck("policy", ("policy",), lambda a: parse_policies(a.policy)),
+            ValueCheck("policy", ("policy", "demand_bound", "cobatch"),
+                       lambda a: check_options_used(parse_policies(a.policy), a.demand_bound,
+                                                    a.cobatch)),
+            ValueCheck("trace", ("trace",), given),
+            trace_check(),
+            ValueCheck("max-model-len", ("trace", "requests", "max_model_len", "model", "clip",
+                                         "prompt_cap", "output_cap"), fits),
+            ValueCheck("goodput", ("goodput",), lambda a: goodput_slo(a.goodput)),
+            ValueCheck("card", ("card", "device"), cards_of),
+            ValueCheck("engine-profile", ("engine_profile",),
+                       lambda a: a.engine_profile is None
+                       or load_engine_profile(a.engine_profile)),
+            ValueCheck("dtype", ("dtype", "card", "device"),
+                       lambda a: [accelerator(c).peak_tflops(a.dtype) for c in cards_of(a)]),
+            ValueCheck("scheduling", ("max_batch", "max_num_batched_tokens", "concurrency",
+                                      "replicas"), scheduling),
+            ValueCheck("timing", ("timing", "card", "device", "channels", "interleave"),
+                       timing)]
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "simulate", help="serving simulation: tokens/s of each KV allocation policy",
+        description=__doc__.split("\n\n")[0] + " Memory timing comes from the card (a preset or a "
+        "card file): the emulator, a probe JSON or ideal; --timing also takes a live torch "
+        "measurement. " + DEFAULTS_NOTE)
+    p.add_argument("--trace", metavar="CSV",
+                   help="request trace: num_prefill_tokens, num_decode_tokens [, arrived_at] "
+                        "(required unless --list)")
+    p.add_argument("--list", action="store_true",
+                   help="print the models and the preset cards (with --json: one object, "
+                        f"{LIST_SCHEMA}) and exit")
+    p.add_argument("--requests", type=argtypes.positive_int, default=None, metavar="N",
+                   help="serve only the first N requests of the trace")
+    p.add_argument("--rate", type=argtypes.positive_floats, default=None, metavar="R[,R...]",
+                   help="Poisson arrivals at these requests/s (one run each; default: the "
+                        "trace's arrived_at, else all at once)")
+    p.add_argument("--time-scale", type=argtypes.positive_float, default=1.0,
+                   help="multiply arrived_at by this (< 1 = more load)")
+    p.add_argument("--seed", type=argtypes.seed, default=0,
+                   help="seeds arrivals and noisy predictions (default 0)")
+    p.add_argument("--policy", default=DEFAULT_POLICIES, metavar="P[,P...]",
+                   help=f"policies among {', '.join(POLICIES)} (default {DEFAULT_POLICIES})")
+    add_policy_arguments(p)
+    _add_model_and_card_arguments(p)
+    _add_emulator_arguments(p)
+    _add_serving_arguments(p)
+    _add_prefix_cache_arguments(p)
+    add_goodput_argument(p)
+    p.add_argument("--json", action="store_true",
+                   help=f"print one JSON object ({SCHEMA}; with --list {LIST_SCHEMA})")
+    p.add_argument("--series", action="store_true", help="with --json: include time series")
+    p.add_argument("--plot", metavar="PNG",
+                   help="tokens/s vs rate per policy; batch and KV occupancy over time")
+    p.set_defaults(func=_cmd)
+
+
+def _add_model_and_card_arguments(p) -> None:
+    """What is served on what: --model, --dtype, --card, --engine-profile, --tp,
+    --replicas and --timing."""
+    p.add_argument("--model", default="deepseek-r1-distill-qwen-7b", metavar="MODEL",
+                   help=f"a preset ({', '.join(list(MODELS) + list(MODEL_ALIASES))}), a Hugging "
+                        f"Face config.json or a directory holding one (default "
+                        f"deepseek-r1-distill-qwen-7b)")
+    p.add_argument("--dtype", default="bf16", type=dtype_argument(DTYPE_BYTES),
+                   metavar="{bf16,bfloat16,int8,fp32,float32}",
+                   help="weight type (default bf16; the engine's default is float32, its CPU "
+                        "runs); KV stays bf16, but fp32 serves fp32 KV (as odma-hw's engine on "
+                        "CPU); int8 and fp32 need the card's tops_int8 / tflops_fp32")
+    add_card_argument(p, "each simulated in turn (a table each; rows told apart by "
+                         "settings.device in the JSON)")
+    p.add_argument("--engine-profile", default=None, metavar="NAME|FILE",
+                   help=f"the serving engine's per-step terms (overheads, weight read "
+                        f"efficiency) in place of the card's: a preset ({', '.join(profile_names())}"
+                        f") or a profile file (TOML); default: the card's own")
+    p.add_argument("--tp", type=argtypes.positive_int, default=1,
+                   help="tensor-parallel cards per replica (default 1)")
+    p.add_argument("--replicas", type=argtypes.positive_int, default=1,
+                   help="independent replicas, requests dealt round robin (default 1)")
+    p.add_argument("--timing", default=None, metavar="SOURCE",
+                   help="emu:PRESET, probe:FILE (odma-hw probe --json output), "
+                        "live:torch:DEVICE or ideal (every run at full bandwidth); default: "
+                        "the card's timing")
+
+
+def _add_emulator_arguments(p) -> None:
+    """The emulated memory's settings, where the timing source is the emulator."""
+    p.add_argument("--channels", type=argtypes.positive_int, default=None,
+                   help="emulated channels (default: the card's)")
+    p.add_argument("--interleave", type=argtypes.positive_int, default=None, metavar="BYTES",
+                   help="emulated channel-interleave granule (default 256)")
+    p.add_argument("--address-map", default="bg", choices=["bg", "rbc", "xor"],
+                   help="emulated address map (default bg)")
+    p.add_argument("--queue", type=argtypes.positive_int, default=32,
+                   help="emulated controller queue depth per direction (default 32)")
+    p.add_argument("--streams", type=argtypes.positive_int, default=1,
+                   help="KV runs in flight at the memory controller at once (default 1)")
+    p.add_argument("--chunk-bytes", type=argtypes.positive_int, default=None,
+                   help="with --streams > 1: bytes of one run before another's interleave")
+
+
+def _add_serving_arguments(p) -> None:
+    """How the engine serves: the paged layout, the lengths, the scheduler and the KV pool."""
+    p.add_argument("--layout", default="hnd", choices=list(PAGED_LAYOUTS),
+                   help="paged KV layout: v06 (vLLM 0.6), hnd (vllm-mlu, default), nhd (vLLM v1)")
+    p.add_argument("--page-tokens", type=argtypes.positive_int, default=16,
+                   help="tokens per page of the paged policy (default 16)")
+    p.add_argument("--max-model-len", type=argtypes.positive_int, default=None,
+                   help="longest request served; static blocks are this long (default: the "
+                        "longest request of the trace)")
+    p.add_argument("--clip", action="store_true",
+                   help="drop prompts longer than --max-model-len and cut generations there, "
+                        "instead of refusing the trace")
+    add_length_caps(p)
+    p.add_argument("--max-batch", type=argtypes.positive_int, default=256,
+                   help="running requests at most (vLLM max_num_seqs, default 256)")
+    add_scheduling_arguments(p)
+    p.add_argument("--mfu", type=argtypes.positive_float, default=None,
+                   help=f"prefill compute efficiency, in (0, 1] (default: the card's mfu, "
+                        f"else {DEFAULT_MFU})")
+    p.add_argument("--memory-utilization", type=argtypes.positive_float, default=0.9,
+                   help="share of card memory for weights + KV (default 0.9)")
+    p.add_argument("--kv-pool-gb", type=argtypes.positive_float, default=None, metavar="GB",
+                   help="KV pool per card in GB of 1e9 B (default: what the weights leave of "
+                        "--memory-utilization of the card; the engine's default is 0.064, "
+                        "as a CPU has no card capacity)")
+
+
+def _add_prefix_cache_arguments(p) -> None:
+    """The prefix cache in front of prefill (--prefix-cache) and its tiers."""
+    c = p.add_argument_group("prefix cache (traces with prefix_id / prefix_tokens columns)")
+    c.add_argument("--prefix-cache", action="store_true",
+                   help="keep prefixes' KV across requests in device, host and disk tiers")
+    c.add_argument("--cache-device-gb", type=argtypes.nonnegative_float, default=1.0,
+                   help="device tier, carved out of the KV pool (default 1 GB)")
+    c.add_argument("--cache-host-gb", type=argtypes.nonnegative_float, default=16.0,
+                   help="host-memory tier (default 16 GB)")
+    c.add_argument("--cache-disk-gb", type=argtypes.nonnegative_float, default=64.0,
+                   help="disk tier (default 64 GB)")
+    c.add_argument("--eviction", default="lru", choices=list(EVICTIONS))
+    c.add_argument("--prefix-schedule", default="fcfs", choices=list(SCHEDULES),
+                   help="admission order: FCFS, fastest-prefix-first (may starve), relaxed FPF")
+    c.add_argument("--prefetch", type=argtypes.count, default=0, metavar="N",
+                   help="prefetch the prefixes of the next N queued requests (default 0: off)")
+    c.add_argument("--pcie-gbps", type=argtypes.positive_float, default=25.0,
+                   help="host <-> device bandwidth, of the prefix cache's host tier and of "
+                        "swapped KV (default 25: PCIe 4.0 x16 effective)")
+    c.add_argument("--disk-read-gbps", type=argtypes.positive_float, default=3.0,
+                   help="disk tier read bandwidth (default 3: an NVMe SSD)")
+    c.add_argument("--disk-write-gbps", type=argtypes.positive_float, default=2.0,
+                   help="disk tier write bandwidth (default 2)")

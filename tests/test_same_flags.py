@@ -1,0 +1,71 @@
+"""One vocabulary: the engine and simulate take the same option names, units and spellings for
+what they share, so that one command line with `simulate` replaced by `engine` describes the same
+run. bench/fidelity_engine.py runs exactly that; here both parsers read its command line and
+must agree on every value they share."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+
+from odma_cli.main import build_parser  # noqa: E402
+
+SHORT = {"float32": "fp32", "bfloat16": "bf16"}
+
+ROOT = Path(__file__).resolve().parents[1]
+# what both commands have under one name but mean differently, and why
+MEANS_ANOTHER_THING = {
+    "device": "engine: the torch device it runs on; simulate: the older spelling of --card",
+    "func": "each command's own entry",
+    "command": "the command's own name",
+    "json": "same meaning; listed as not a run setting",
+}
+
+
+def fidelity_bench():
+    spec = importlib.util.spec_from_file_location("fidelity_engine",
+                                                  ROOT / "bench" / "fidelity_engine.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def parsed(command: str, argv: list) -> dict:
+    """The parsed options, a dtype by one spelling (each command keeps its own: float32 / fp32)."""
+    args = vars(build_parser().parse_args([command, *argv]))
+    if args.get("dtype") in SHORT:
+        args["dtype"] = SHORT[args["dtype"]]
+    return args
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["prefill-first", "chunked"])
+def test_the_fidelity_bench_runs_one_command_line_that_both_read_alike(chunked):
+    bench = fidelity_bench()
+    a = bench.parser().parse_args(["--card", "cpu.toml"])
+    argv = bench.run_args(a, "trace.csv", ["--max-num-batched-tokens", "256"] if chunked else [])
+    engine, simulate = parsed("engine", argv), parsed("simulate", argv)
+    shared = (set(engine) & set(simulate)) - set(MEANS_ANOTHER_THING)
+    differ = {k: (engine[k], simulate[k]) for k in shared if engine[k] != simulate[k]}
+    assert not differ, f"one command line, two readings: {differ}"
+    # what the line names, both read: the card, the pool in GB, the caps, the type, the batch
+    for key in ("card", "kv_pool_gb", "prompt_cap", "output_cap", "dtype", "max_batch",
+                "requests", "policy", "max_num_batched_tokens"):
+        assert key in shared
+    assert engine["card"] == simulate["card"] == "cpu.toml" and engine["kv_pool_gb"] == 0.064
+
+
+def test_the_older_spellings_still_read_and_say_so(capsys):
+    """--kv-pool-mb (engine), --device CARD (simulate, advise) and --pool-gib (replay) stay as
+    aliases whose help says what they are the older spelling of."""
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    helps = {(cmd, opt): action.help for cmd in ("engine", "simulate", "advise", "replay")
+             for action in sub.choices[cmd]._actions for opt in action.option_strings}
+    assert "alias of --kv-pool-gb" in helps[("engine", "--kv-pool-mb")]
+    for cmd in ("simulate", "advise"):
+        assert "older spelling of --card" in helps[(cmd, "--device")]
+    assert "older spelling of --kv-pool-gb" in helps[("replay", "--pool-gib")]
