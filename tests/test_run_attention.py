@@ -202,6 +202,30 @@ def test_torch_index_reused_across_layers():
     assert sc.runs.gather_index(2, 16) is sc.runs.gather_index(2, 16)
 
 
+def test_the_one_run_index_is_the_scattered_one():
+    """A batch of contiguous blocks (one run a request, from its first token) takes the short
+    way to its gather index: the same index, and the same attention, as any table's."""
+    import numpy as np
+
+    ctxs = [1, 37, 100, 2]
+    sc = Scenario("contiguous", ctxs, 2, 16, torch.float32, group=2, device="cpu")
+    gi = ra.GatherIndex.build(sc.runs, 2, 16)
+    r = sc.runs
+    host = [getattr(r, f).numpy().astype(np.int64) for f in ("run_start", "ctx_len")]
+    R = int(host[0][-1])
+    n, off, cap, first = (getattr(r, f)[:R].numpy().astype(np.int64)
+                          for f in ("run_len", "run_off", "run_cap", "run_pos"))
+    assert R == len(ctxs) and not first.any()                  # the short way was taken
+    valid = np.arange(max(ctxs))[None, :] < host[1][:, None]
+    base, capd = ra.GatherIndex._scattered(*host, n, off, cap, first, valid, 16)
+    ch = np.arange(4).reshape(1, 2, 2, 1)
+    want = base[:, None, None, :] + ch * capd[:, None, None, :]
+    assert np.array_equal(gi.idx0.numpy() * (16 if gi.rows else 1), want)
+    q = torch.randn(len(ctxs), 4, 16)
+    out = ra.decode_attention(q, sc.pool, sc.runs, LAYER, 2, 16, 0.25, backend="torch")
+    close(out, dense_decode(sc, q, 0.25), torch.float32)
+
+
 def test_torch_out_and_spare_rows():
     """Trailing unused rows (R > run_start[B]) are ignored; `out` is written."""
     sc = scenario("extents", 1, 3, 16, torch.float32, "cpu", spare_rows=5)

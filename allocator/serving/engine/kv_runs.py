@@ -126,7 +126,9 @@ class KVPool:
         array operations over the batch's regions stacked, not a loop of them per request: at
         a batch of 128 this is the host's largest cost of a step."""
         ctx = np.fromiter((c for _, c in readers), dtype=np.int64, count=len(readers))
-        offs, caps, firsts, owner, _ = self._stacked([i for i, _ in readers])
+        who = [i for i, _ in readers]
+        stacked = self._stacked(who)
+        offs, caps, firsts, owner, _ = stacked
         # a reader reads the regions that start before its context's end, each up to it
         keep = firsts < ctx[owner]
         per = np.bincount(owner[keep], minlength=len(readers))
@@ -134,15 +136,18 @@ class KVPool:
         np.cumsum(per, out=starts[1:])
         f = firsts[keep]
         lens = np.minimum(caps[keep], ctx[owner[keep]] - f)
-        slot, slot_cap = self._slots(writers)
+        # a decode-only step writes where it reads: the same regions, stacked once
+        same = len(writers) == len(who) and all(w[0] == i for w, i in zip(writers, who))
+        slot, slot_cap = self._slots(writers, stacked if same else None)
         return StepTables(
             run_start=starts, run_off=offs[keep], run_cap=caps[keep],
             run_len=lens.astype(np.int32), run_pos=f.astype(np.int32),
             ctx_len=ctx.astype(np.int32), slot=slot, slot_cap=slot_cap)
 
-    def _slots(self, writers):
-        """(element offset, region capacity) of every new token of `writers`, in order."""
-        offs, caps, firsts, owner, counts = self._stacked([i for i, _, _ in writers])
+    def _slots(self, writers, stacked=None):
+        """(element offset, region capacity) of every new token of `writers`, in order;
+        `stacked`: _stacked of the writers' requests where the caller has it."""
+        offs, caps, firsts, owner, counts = stacked or self._stacked([i for i, _, _ in writers])
         n = np.fromiter((k for _, _, k in writers), dtype=np.int64, count=len(writers))
         first = np.fromiter((s for _, s, _ in writers), dtype=np.int64, count=len(writers))
         who = np.repeat(np.arange(len(writers)), n)                 # each new token's writer

@@ -204,10 +204,38 @@ class GatherIndex:
         n = runs.run_len[:R].cpu().numpy().astype(np.int64)
         off = runs.run_off[:R].cpu().numpy().astype(np.int64)
         cap = runs.run_cap[:R].cpu().numpy().astype(np.int64)
+        first = runs.run_pos[:R].cpu().numpy().astype(np.int64)
+        valid = np.arange(L)[None, :] < ctx[:, None]
+        # whole rows of head_dim elements when every region starts on one (blocks and pages
+        # do, at the allocator's alignment): a row gather moves head_dim times fewer indices
+        rows = bool(R) and not (off % D).any()
+        unit = D if rows else 1          # the index counts rows, else elements
+        if R == B and B and not first.any() and (n == ctx).all() and ctx.all():
+            # one run a request from its first token (a contiguous block): its tokens are
+            # that run's rows in order, and past its context it reads its own first token
+            base = off[:, None] // unit + np.where(valid, np.arange(L) * (D // unit), 0)
+            capd = np.broadcast_to((cap * (D // unit))[:, None], (B, L))
+        else:
+            base, capd = cls._scattered(st, ctx, n, off, cap, first, valid, D)
+            base, capd = base // unit, capd // unit
+        ch = np.arange(2 * kv_heads).reshape(1, 2, kv_heads, 1)
+        idx0 = base[:, None, None, :] + ch * capd[:, None, None, :]
+        stride = (2 * kv_heads * capd)[:, None, None, :]
+        dev = runs.device
+        return cls(torch.from_numpy(idx0).to(dev), torch.from_numpy(stride).to(dev),
+                   torch.from_numpy(valid).to(dev), L, rows=rows)
+
+    @staticmethod
+    def _scattered(st, ctx, n, off, cap, first, valid, D):
+        """(base, capd) [B, L] of any table: each run's tokens scattered to their positions."""
+        import numpy as np
+
+        B, L = valid.shape
+        R = off.size
         req = np.repeat(np.arange(B), st[1:] - st[:-1])
         tok_run = np.repeat(np.arange(R), n)
         t = np.arange(tok_run.size) - np.repeat(np.cumsum(n) - n, n)
-        pos = runs.run_pos[:R].cpu().numpy().astype(np.int64)[tok_run] + t
+        pos = first[tok_run] + t
         b = req[tok_run]
         keep = pos < ctx[b]            # a table that says more than ctx_len: ctx_len wins
         b, pos, tok_run, t = b[keep], pos[keep], tok_run[keep], t[keep]
@@ -215,23 +243,12 @@ class GatherIndex:
         capd = np.zeros((B, L), dtype=np.int64)
         base[b, pos] = off[tok_run] + t * D
         capd[b, pos] = cap[tok_run] * D
-        valid = np.arange(L)[None, :] < ctx[:, None]
         if L:    # positions past a context read a real token (its request's first, else any
             # request's): finite values that the masks weigh 0, so nothing needs zeroing
             donor = np.where(ctx > 0, np.arange(B), ctx.argmax())
             base = np.where(valid, base, base[donor, :1])
             capd = np.where(valid, capd, capd[donor, :1])
-        ch = np.arange(2 * kv_heads).reshape(1, 2, kv_heads, 1)
-        idx0 = base[:, None, None, :] + ch * capd[:, None, None, :]
-        stride = (2 * kv_heads * capd)[:, None, None, :]
-        # whole rows of head_dim elements when every region starts on one (blocks and pages
-        # do, at the allocator's alignment): a row gather moves head_dim times fewer indices
-        rows = bool(R) and not (off % D).any()
-        if rows:
-            idx0, stride = idx0 // D, stride // D
-        dev = runs.device
-        return cls(torch.from_numpy(idx0).to(dev), torch.from_numpy(stride).to(dev),
-                   torch.from_numpy(valid).to(dev), L, rows=rows)
+        return base, capd
 
     def kv(self, pool: torch.Tensor, layer: int, head_dim: int):
         """(K, V), each [B, KVH, L, head_dim] in the pool's dtype; past each context, the
