@@ -10,7 +10,7 @@ for round in $(seq "${1:-3}"); do
   for order in odma,hf hf,odma; do
     for model in tiny-llama tiny-qwen2 tiny-mistral; do
       $PY bench/engine_table.py --model $model --requests 24 --prompt-cap 400 --output-cap 300 \
-        --max-batch 8 --kv-pool-mb 64 --policy $order 2>/dev/null |
+        --max-batch 8 --kv-pool-gb 0.064 --policy $order 2>/dev/null |
         awk -F'|' -v key="$round $order $model" '$3 ~ /(odma|hf)/ {print key, $2, $3, $4}'
     done
   done

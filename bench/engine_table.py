@@ -47,7 +47,7 @@ def main(argv=None) -> None:
     p.add_argument("--prompt-cap", type=int, default=256)
     p.add_argument("--output-cap", type=int, default=32)
     p.add_argument("--max-batch", type=int, default=16)
-    p.add_argument("--kv-pool-mb", type=float, default=512.0)
+    p.add_argument("--kv-pool-gb", type=float, default=0.512)
     p.add_argument("--policy", default="odma,static,paged,hf")
     p.add_argument("--traces", default="azure_conv_2023.csv,sharegpt_8k.csv")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
@@ -62,7 +62,7 @@ def main(argv=None) -> None:
           "preempt | migr |")
     print("|---|---|---|---|---|---|---|---|---|")
     flags = (f"--model {a.model} --requests {a.requests} --prompt-cap {a.prompt_cap} "
-             f"--output-cap {a.output_cap} --max-batch {a.max_batch} --kv-pool-mb {a.kv_pool_mb:g}"
+             f"--output-cap {a.output_cap} --max-batch {a.max_batch} --kv-pool-gb {a.kv_pool_gb:g}"
              + (f" --max-num-batched-tokens {a.max_num_batched_tokens}"
                 if a.max_num_batched_tokens else "")
              + (f" --card {a.card}" if a.card else "")
