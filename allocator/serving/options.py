@@ -1,8 +1,9 @@
-"""The command-line pieces that `odma-hw simulate` (sim/cli.py) and `odma-hw engine`
-(engine/cli.py) share, and simulate() (sim/simulation.py) takes: option types and their checks
-(policies, dtypes, --goodput, --swap-space, --demand-bound), the argument groups both commands
-add (length caps, goodput, scheduling), the length caps themselves (cap_lengths), a card's
-emulator settings (card_emu), and the words and summary table their outputs print.
+"""The command-line pieces that `odma-hw simulate` (sim/cli.py), `odma-hw advise` (sim/advise.py)
+and `odma-hw engine` (engine/cli.py) share, and simulate() (sim/simulation.py) takes: the card
+options (--card and its older spelling --device: add_card_argument, cards_of), option types and
+their checks (policies, dtypes, --goodput, --swap-space, --demand-bound), the argument groups
+the commands add (length caps, goodput, scheduling), the length caps themselves (cap_lengths),
+a card's emulator settings (card_emu), and the words and summary table their outputs print.
 """
 
 from __future__ import annotations
@@ -99,11 +100,11 @@ def parse_policies(text: str, extra: tuple = ()) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-# both spellings of a dtype, as torch and as vLLM's short names
 # units of the options simulate and engine share, where their names do not say (a sweep's axes)
 SERVING_OPTION_UNITS = {"rate": "req/s", "page-tokens": "tokens", "max-model-len": "tokens",
                         "max-num-batched-tokens": "tokens", "prompt-cap": "tokens",
                         "output-cap": "tokens", "concurrency": "requests"}
+# both spellings of a dtype, as torch and as vLLM's short names
 DTYPE_SPELLINGS = {"fp32": "float32", "float32": "fp32", "bf16": "bfloat16", "bfloat16": "bf16",
                    "fp16": "float16", "float16": "fp16", "int8": "int8"}
 

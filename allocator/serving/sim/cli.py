@@ -17,6 +17,7 @@ import sys
 from odma_cli import argtypes, jsonout, plotting
 from odma_cli.commands import ValueCheck
 from odma_cli.errors import BadArgument, RunFailed
+from odma_hw.emu import cli as emulate_cli
 
 from allocator.config import AllocatorConfig
 from allocator.policies import POLICIES
@@ -39,9 +40,6 @@ from allocator.serving.sim.report import format_table, plot
 from allocator.serving.sim.simulation import DEFAULT_MFU, simulate
 from allocator.serving.sim.timing import make_timing
 from allocator.trace import load_trace_once, trace_check
-
-# the sweep's warm-up of a simulate cell: the default timing source is the emulator
-from odma_hw.emu.cli import warm_up  # noqa: E402,F401
 
 EVICTIONS = ("lru", "fifo", "random")
 
@@ -198,6 +196,8 @@ def _cmd(args) -> int:
 
 
 ROW_KEYS = ("settings.device", "policy", "rate")  # what tells apart the rows of one run
+# a sweep warms a simulate cell up as an emulate one: the default timing source is the emulator
+warm_up = emulate_cli.warm_up
 DEFAULT_METRIC = "output_tps"           # what a sweep of simulate prints and plots
 OPTION_UNITS = {**SERVING_OPTION_UNITS, "interleave": "B", "chunk-bytes": "B"}
 METRICS = SIMULATE_METRICS              # the columns a sweep's --metric takes
