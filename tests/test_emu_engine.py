@@ -131,7 +131,7 @@ def test_access_bound_covers_every_generated_pattern():
 def _switches(**kw):
     """Read/write turnarounds in the command stream of a mixed run."""
     s = emulate("lpddr5-6400", "rand", 64, 4000, write_ratio=0.4, refresh="none",
-                 record=100_000, **kw)
+                record=100_000, **kw)
     col = s.log[np.isin(s.log[:, 1], (state.C_RD, state.C_WR)), 1]
     return int((col[1:] != col[:-1]).sum()), s.efficiency
 

@@ -187,7 +187,7 @@ class EmuDevice(Device):
             useful, extra = 2 * nbytes, {"copied_bytes": nbytes}
         else:
             s = emulate(self.preset, "seq" if pattern == "read" else "rand", moved, n,
-                         footprint=fp, seed=seed)
+                        footprint=fp, seed=seed)
             secs, useful = s.simulated_ns * 1e-9, s.requests * granule
             extra = {"efficiency": s.efficiency, "row_hit_rate": s.row_hit_rate,
                      "requests": s.requests, "wall_seconds": s.wall_seconds}

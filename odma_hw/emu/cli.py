@@ -137,14 +137,14 @@ def compute(args) -> dict:
     progress = _Progress(sys.stderr, args.spec) if requests > 2_000_000 and not args.json else None
     try:
         stats = emulate(args.spec, args.pattern, granularity, requests,
-                         write_ratio=0.0 if wr is None else wr, refresh=args.refresh,
-                         mode=args.mode, bl=args.bl, address_map_name=args.map,
-                         queue=args.queue, queue_unit=args.queue_unit,
-                         write_high=args.write_high, write_low=args.write_low,
-                         channels=args.channels, page_policy=args.page_policy,
-                         scheduler=args.scheduler, footprint=footprint, seed=args.seed,
-                         trace=args.trace, wck_always_on=args.wck_always_on,
-                         interleave=args.interleave, threads=args.threads, progress=progress)
+                        write_ratio=0.0 if wr is None else wr, refresh=args.refresh,
+                        mode=args.mode, bl=args.bl, address_map_name=args.map,
+                        queue=args.queue, queue_unit=args.queue_unit,
+                        write_high=args.write_high, write_low=args.write_low,
+                        channels=args.channels, page_policy=args.page_policy,
+                        scheduler=args.scheduler, footprint=footprint, seed=args.seed,
+                        trace=args.trace, wck_always_on=args.wck_always_on,
+                        interleave=args.interleave, threads=args.threads, progress=progress)
     finally:
         if progress is not None:
             progress.close()

@@ -119,14 +119,14 @@ def _check_memory(what: str, accesses: int, peak_bytes: int) -> None:
 
 
 def emulate(spec: str = "lpddr5-6400", pattern: str = "rand", granularity: int = 64,
-             requests: int = 100_000, *, write_ratio: float = 0.0, refresh: str = "allbank",
-             mode: str | None = None, bl: int | None = None, address_map_name: str = "bg",
-             queue: int = 32, queue_unit: str = "burst", write_high: float = 0.8,
-             write_low: float = 0.2, channels: int | None = None, page_policy: str = "open",
-             scheduler: str = "frfcfs", footprint: int | None = None, seed: int = 1,
-             trace: Trace | str | None = None, wck_always_on: bool = False,
-             interleave: int | None = None, threads: int | None = None, record: int = 0,
-             progress=None, **pattern_args) -> EmuStats:
+            requests: int = 100_000, *, write_ratio: float = 0.0, refresh: str = "allbank",
+            mode: str | None = None, bl: int | None = None, address_map_name: str = "bg",
+            queue: int = 32, queue_unit: str = "burst", write_high: float = 0.8,
+            write_low: float = 0.2, channels: int | None = None, page_policy: str = "open",
+            scheduler: str = "frfcfs", footprint: int | None = None, seed: int = 1,
+            trace: Trace | str | None = None, wck_always_on: bool = False,
+            interleave: int | None = None, threads: int | None = None, record: int = 0,
+            progress=None, **pattern_args) -> EmuStats:
     """Emulate `requests` requests of `pattern` (see traces.PATTERNS) at `granularity` bytes, or a
     user `trace` (a Trace or the path of a text trace), on preset `spec`.
 
