@@ -69,3 +69,19 @@ def test_the_older_spellings_still_read_and_say_so(capsys):
     for cmd in ("simulate", "advise"):
         assert "older spelling of --card" in helps[(cmd, "--device")]
     assert "older spelling of --kv-pool-gb" in helps[("replay", "--pool-gib")]
+
+
+def test_the_step_bench_times_both_commands_over_the_same_plans(capsys):
+    """bench/fidelity_steps.py: one row, every step of the core's loop timed in the engine and
+    costed in the simulation; both serve the same plans with prompts (the same decisions)."""
+    spec = importlib.util.spec_from_file_location("fidelity_steps",
+                                                  ROOT / "bench" / "fidelity_steps.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.main(["--card", "h100-sxm", "--model", "tiny-qwen2", "--requests", "6",
+                        "--prompt-cap", "40", "--output-cap", "6", "--max-batch", "4",
+                        "--policy", "odma", "--budget", "32",
+                        "--trace", "azure_conv_2023.csv"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.strip()]
+    prompts = {r[1]: int(r[4]) for r in rows if r[2:4] == ["with", "prompts"]}
+    assert set(prompts) == {"engine", "simulate"} and prompts["engine"] == prompts["simulate"] > 0

@@ -1,0 +1,91 @@
+"""Where simulate and the engine part, step by step: one row of bench/fidelity_engine.py (one
+command line, both commands) served in one process, every step of the core's loop timed in the
+engine (wall seconds) and costed in the simulation (its executor's seconds), then summed by the
+kind of step (decode-only, or with a prompt chunk or whole prompts) for each.
+
+    .venv/bin/python bench/fidelity_steps.py --card CARD.toml [--trace sharegpt_8k.csv]
+        [--policy odma,paged] [--budget 256] [fidelity_engine.py's other options]
+
+The simulation's decode plans may cover several steps at once (its executor jumps to the next
+event), so decode-only steps are compared as sums, not one by one. The engine's own warm-up
+run is left out (the last run each command drives is the one it reports).
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import fidelity_engine  # noqa: E402
+from engine_table import lengths_only  # noqa: E402
+
+from allocator.serving.core.plan import IDLE  # noqa: E402
+from allocator.serving.engine import cli as engine_cli  # noqa: E402
+from allocator.serving.engine import serve  # noqa: E402
+from allocator.serving.sim import cli as simulate_cli  # noqa: E402
+from allocator.serving.sim import replica  # noqa: E402
+from odma_cli.main import build_parser  # noqa: E402
+
+
+def timed_drive(logs: list, wall: bool):
+    """The core's loop (allocator.serving.core.drive) that also logs each step of each run it
+    drives, a list a run in `logs`: (decode rows, prompt tokens, seconds)."""
+    def drive(scheduler, executor):
+        log = []
+        logs.append(log)
+        while scheduler.done < len(scheduler.reqs):
+            plan = scheduler.schedule(executor.now())
+            if plan.kind == IDLE:
+                executor.wait(plan.wake)
+                continue
+            start, t0 = executor.now(), time.perf_counter()
+            outcome = executor.execute(plan)
+            secs = time.perf_counter() - t0 if wall else outcome.time - start
+            prompt = sum(c.tokens for c in plan.chunks) + sum(a.held for a in plan.admitted)
+            log.append((len(plan.decodes), prompt, secs))
+            scheduler.update(plan, outcome, executor)
+            executor.settle(plan, outcome)
+    return drive
+
+
+def sums(log: list) -> dict:
+    out = collections.defaultdict(lambda: [0, 0, 0.0])
+    for decodes, prompt, secs in log:
+        kind = "with prompts" if prompt else "decode-only"
+        out[kind][0] += 1
+        out[kind][1] += decodes
+        out[kind][2] += secs
+    return out
+
+
+def main(argv=None) -> int:
+    p = fidelity_engine.parser()
+    p.add_argument("--trace", default="sharegpt_8k.csv")
+    a = p.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = lengths_only(a.trace, tmp)
+        sched = ["--max-num-batched-tokens", str(a.budget)] if a.budget else []
+        for policy in a.policy.split(","):
+            a.policy = policy
+            line = fidelity_engine.run_args(a, trace, sched)
+            logs = {"engine": [], "simulate": []}
+            serve.drive = timed_drive(logs["engine"], wall=True)
+            replica.drive = timed_drive(logs["simulate"], wall=False)
+            for name, module in (("engine", engine_cli), ("simulate", simulate_cli)):
+                module.compute(build_parser().parse_args([name, *line, "--json"]))
+            for name, runs in logs.items():
+                log = runs[-1]          # the engine's warm-up run comes before its timed one
+                for kind, (n, rows, secs) in sorted(sums(log).items()):
+                    # the engine's plans are steps: its mean batch; the simulation's are not
+                    batch = f", batch {rows / n:4.1f}" if name == "engine" else ""
+                    print(f"{policy:8s} {name:8s} {kind:12s} {n:4d} plans{batch}, "
+                          f"{secs:7.2f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
