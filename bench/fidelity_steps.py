@@ -1,7 +1,8 @@
 """Where simulate and the engine part, step by step: one row of bench/fidelity_engine.py (one
 command line, both commands) served in one process, every step of the core's loop timed in the
 engine (wall seconds) and costed in the simulation (its executor's seconds), then summed by the
-kind of step (decode-only, or with a prompt chunk or whole prompts) for each.
+kind of step (decode-only, or with a prompt chunk or whole prompts) for each. Only each
+executor's execute() is wrapped: the loop is the core's own.
 
     .venv/bin/python bench/fidelity_steps.py --card CARD.toml [--trace sharegpt_8k.csv]
         [--policy odma,paged] [--budget 256] [fidelity_engine.py's other options]
@@ -18,38 +19,35 @@ import os
 import sys
 import tempfile
 import time
+from unittest import mock
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import fidelity_engine  # noqa: E402
 from engine_table import lengths_only  # noqa: E402
 
-from allocator.serving.core.plan import IDLE  # noqa: E402
 from allocator.serving.engine import cli as engine_cli  # noqa: E402
-from allocator.serving.engine import serve  # noqa: E402
+from allocator.serving.engine.serve import RunnerExecutor  # noqa: E402
 from allocator.serving.sim import cli as simulate_cli  # noqa: E402
-from allocator.serving.sim import replica  # noqa: E402
+from allocator.serving.sim.timed import TimedExecutor  # noqa: E402
 from odma_cli.main import build_parser  # noqa: E402
 
 
-def timed_drive(logs: list, wall: bool):
-    """The core's loop (allocator.serving.core.drive) that also logs each step of each run it
-    drives, a list a run in `logs`: (decode rows, prompt tokens, seconds)."""
-    def drive(scheduler, executor):
-        log = []
-        logs.append(log)
-        while scheduler.done < len(scheduler.reqs):
-            plan = scheduler.schedule(executor.now())
-            if plan.kind == IDLE:
-                executor.wait(plan.wake)
-                continue
-            start, t0 = executor.now(), time.perf_counter()
-            outcome = executor.execute(plan)
-            secs = time.perf_counter() - t0 if wall else outcome.time - start
-            prompt = sum(c.tokens for c in plan.chunks) + sum(a.held for a in plan.admitted)
-            log.append((len(plan.decodes), prompt, secs))
-            scheduler.update(plan, outcome, executor)
-            executor.settle(plan, outcome)
-    return drive
+def logged(executor_class, runs: list, wall: bool):
+    """executor_class.execute, which also logs each step it runs or costs: (decode rows, prompt
+    tokens, seconds), a list per executor (one run) in `runs`. The core's loop is left as it is:
+    only what each executor does with a plan is timed."""
+    execute = executor_class.execute
+
+    def timed(self, plan):
+        if not runs or runs[-1][0] is not self:
+            runs.append((self, []))
+        start, t0 = self.now(), time.perf_counter()
+        outcome = execute(self, plan)
+        secs = time.perf_counter() - t0 if wall else outcome.time - start
+        prompt = sum(c.tokens for c in plan.chunks) + sum(a.held for a in plan.admitted)
+        runs[-1][1].append((len(plan.decodes), prompt, secs))
+        return outcome
+    return timed
 
 
 def sums(log: list) -> dict:
@@ -73,12 +71,14 @@ def main(argv=None) -> int:
             a.policy = policy
             line = fidelity_engine.run_args(a, trace, sched)
             logs = {"engine": [], "simulate": []}
-            serve.drive = timed_drive(logs["engine"], wall=True)
-            replica.drive = timed_drive(logs["simulate"], wall=False)
-            for name, module in (("engine", engine_cli), ("simulate", simulate_cli)):
-                module.compute(build_parser().parse_args([name, *line, "--json"]))
+            for name, module, executor, wall in (
+                    ("engine", engine_cli, RunnerExecutor, True),
+                    ("simulate", simulate_cli, TimedExecutor, False)):
+                with mock.patch.object(executor, "execute",
+                                       logged(executor, logs[name], wall)):
+                    module.compute(build_parser().parse_args([name, *line, "--json"]))
             for name, runs in logs.items():
-                log = runs[-1]          # the engine's warm-up run comes before its timed one
+                log = runs[-1][1]       # the engine's warm-up run comes before its timed one
                 for kind, (n, rows, secs) in sorted(sums(log).items()):
                     # the engine's plans are steps: its mean batch; the simulation's are not
                     batch = f", batch {rows / n:4.1f}" if name == "engine" else ""
