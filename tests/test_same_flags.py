@@ -23,7 +23,6 @@ MEANS_ANOTHER_THING = {
     "device": "engine: the torch device it runs on; simulate: the older spelling of --card",
     "func": "each command's own entry",
     "command": "the command's own name",
-    "json": "same meaning; listed as not a run setting",
 }
 
 
