@@ -16,15 +16,12 @@ from odma_cli import argtypes
 from odma_cli.errors import BadArgument
 
 from allocator.policies import POLICIES, policy
-from allocator.serving.cards.presets import accelerator, card_names
+from allocator.serving.cards.presets import DEFAULT_CARD, accelerator, card_names
 from allocator.serving.core.checks import PREEMPTION
 from allocator.serving.core.metrics import ITL_TOKEN_TIMES, SLO_METRICS, parse_goodput
 from allocator.serving.sim.replica import MAX_TIER_BYTES
 from allocator.serving.sim.timing import EmuSettings
 from allocator.trace import RequestTrace
-
-
-DEFAULT_CARD = "mlu370-x4"              # the ODMA paper's device
 
 
 def add_card_argument(p, what: str) -> None:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from odma_cli.commands import ValueCheck, module_of, registry
 from odma_cli.errors import BadArgument
+from odma_cli.keys import check_keys
 
 INSTALL_HINT = "pip install 'odma-hw[sweep]'"
 GRID_KEYS = ("command", "description", "fixed", "axes", "zip")
@@ -184,12 +185,7 @@ def _zip_groups(path: str, zips, axes: dict) -> tuple:
 def load_grid(path: str) -> Grid:
     """Read and check a grid file's structure (not yet its option names or values)."""
     data = _read_grid_file(path)
-    if not isinstance(data, dict):
-        raise BadArgument(f"grid {path}: the top level must be a table of keys")
-    unknown = [k for k in data if k not in GRID_KEYS]
-    if unknown:
-        raise BadArgument(f"grid {path}: unknown key {unknown[0]!r}; a grid has "
-                          f"{', '.join(GRID_KEYS)}")
+    check_keys(f"grid {path}", data, {k: (False, None) for k in GRID_KEYS}, "a grid")
     command = data.get("command")
     if not sweepable(command):
         raise BadArgument(f"grid {path}: command must be one of "

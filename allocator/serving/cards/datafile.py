@@ -83,20 +83,6 @@ def table(where: str, key: str, v, max_key: int, allowed: Range) -> dict[int, fl
     return dict(sorted(out.items()))
 
 
-def check_keys(where: str, data, keys: dict, what: str) -> None:
-    """BadArgument in one line unless `data` is a table of keys, each one of `keys` (name ->
-    (required, kind)), holding every required one; `what` names the document ("a card")."""
-    if not isinstance(data, dict):
-        raise BadArgument(f"{where}: the top level must be a table of keys")
-    unknown = [k for k in data if k not in keys]
-    if unknown:
-        raise BadArgument(f"{where}: unknown key {unknown[0]!r}; {what} has "
-                          f"{', '.join(keys)}")
-    missing = [k for k, (required, _) in keys.items() if required and k not in data]
-    if missing:
-        raise BadArgument(f"{where}: missing key {missing[0]!r}")
-
-
 def _refuse_duplicates(pairs) -> dict:
     keys = [k for k, _ in pairs]
     if len(set(keys)) < len(keys):

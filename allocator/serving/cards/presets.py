@@ -15,6 +15,7 @@ import dataclasses
 import pathlib
 
 from odma_cli.errors import BadArgument
+from odma_cli.keys import check_keys
 
 from allocator.serving.cards import datafile
 from allocator.serving.cards.datafile import (BANDWIDTH_GBPS, CAPACITY_GB, FRACTION, MICROSECONDS,
@@ -120,6 +121,9 @@ MODELS = {
     "llama-2-7b": ModelSpec("llama-2-7b", 32, 4096, 32, 32, 128, 11008, 32000, False, 4096),
 }
 MODEL_ALIASES = {"qwen2.5-7b": "deepseek-r1-distill-qwen-7b"}
+# the ODMA paper's setting: what simulate and advise serve, and on what, unless told
+DEFAULT_MODEL = "deepseek-r1-distill-qwen-7b"
+DEFAULT_CARD = "mlu370-x4"
 
 
 def model_spec(name: str) -> ModelSpec:
@@ -378,7 +382,7 @@ def card_is_json(path) -> bool:
 def card_fields(path, data) -> dict:
     """The Accelerator fields of a card's parsed document `data`, every key checked, the timing
     source as written; BadArgument in one line naming the file `path` and the key."""
-    datafile.check_keys(f"card {path}", data, CARD_KEYS, "a card")
+    check_keys(f"card {path}", data, CARD_KEYS, "a card")
     return {k: _card_value(path, k, v) for k, v in data.items()}
 
 

@@ -21,6 +21,7 @@ import os
 import pathlib
 
 from odma_cli.errors import BadArgument
+from odma_cli.keys import check_keys
 
 from allocator.serving.cards import datafile
 from allocator.serving.cards.datafile import FRACTION, MICROSECONDS, Range
@@ -114,7 +115,7 @@ def _value(where: str, key: str, v, kind):
 
 
 def _checked(where: str, data, keys: dict) -> dict:
-    datafile.check_keys(where, data, keys, "a profile")
+    check_keys(where, data, keys, "a profile")
     return {k: _value(where, k, v, keys[k][1]) for k, v in data.items()}
 
 

@@ -26,7 +26,8 @@ from odma_hw.probe.measure import DEFAULT_ALPHA
 from odma_hw.probe.runs import FULL_SPEED, KVRun, judge_run, knee, size_text
 
 from allocator.policies import policy as policy_spec
-from allocator.serving.cards.presets import DTYPE_BYTES, accelerator, model_spec
+from allocator.serving.cards.presets import (DEFAULT_CARD, DEFAULT_MODEL, DTYPE_BYTES, accelerator,
+                                             model_spec)
 from allocator.serving.core.metrics import parse_goodput
 from allocator.serving.core.requests import fit_lengths
 from allocator.serving.options import (add_card_argument, add_length_caps, cap_lengths, card_emu,
@@ -272,7 +273,7 @@ def run_searches(trace, cards, policies, settings, slo, jobs: int, progress,
     return {(c, p): out[(c, p)] for c in cards for p in policies}
 
 
-def advise(trace, model="deepseek-r1-distill-qwen-7b", devices=("mlu370-x4",),
+def advise(trace, model=DEFAULT_MODEL, devices=(DEFAULT_CARD,),
            policies=tuple(DEFAULT_POLICIES.split(",")), slo=None, *, requests=DEFAULT_REQUESTS,
            dtype="bf16", max_model_len=None, clip=False, max_batch=256, kv_pool_gb=None,
            max_num_batched_tokens=None, page_tokens=16, paged_layout="hnd",
@@ -429,9 +430,9 @@ def register(subparsers) -> None:
     p.add_argument("--requests", type=argtypes.positive_int, default=DEFAULT_REQUESTS,
                    metavar="N", help=f"serve the first N requests of the trace (default "
                                      f"{DEFAULT_REQUESTS}: each policy runs them at ~5-8 loads)")
-    p.add_argument("--model", default="deepseek-r1-distill-qwen-7b", metavar="MODEL",
+    p.add_argument("--model", default=DEFAULT_MODEL, metavar="MODEL",
                    help="a preset, a shipped config or a Hugging Face config.json (or a folder "
-                        "holding one), as simulate takes it (default deepseek-r1-distill-qwen-7b)")
+                        f"holding one), as simulate takes it (default {DEFAULT_MODEL})")
     add_card_argument(p, "side by side")
     p.add_argument("--policy", default=DEFAULT_POLICIES, metavar="P[,P...]",
                    help=f"policies to compare (default {DEFAULT_POLICIES}: one of each layout)")

@@ -22,8 +22,8 @@ from odma_hw.emu import cli as emulate_cli
 from allocator.config import AllocatorConfig
 from allocator.policies import POLICIES
 from allocator.replay import add_policy_arguments
-from allocator.serving.cards.presets import (DTYPE_BYTES, MODELS, MODEL_ALIASES, accelerator,
-                                             card_names, model_spec)
+from allocator.serving.cards.presets import (DEFAULT_MODEL, DTYPE_BYTES, MODELS, MODEL_ALIASES,
+                                             accelerator, card_names, model_spec)
 from allocator.serving.cards.profiles import engine_profile as load_engine_profile
 from allocator.serving.cards.profiles import profile_names
 from allocator.serving.core.checks import check_scheduling
@@ -187,7 +187,8 @@ def _cmd(args) -> int:
     if args.plot and results:
         plot(results, args.plot)
     if failed:
-        runs = "; ".join(f"{f['card'] + ' ' if len(cards_of(args)) > 1 else ''}{f['policy']}"
+        several = len(cards_of(args)) > 1
+        runs = "; ".join(f"{f['card'] + ' ' if several else ''}{f['policy']}"
                          + (f" @ {f['rate']:g} req/s" if f["rate"] else "")
                          + f": {f['error']}" for f in failed)
         raise RunFailed(f"{len(failed)} of {len(failed) + len(results)} runs failed (the "
@@ -286,10 +287,9 @@ def register(subparsers) -> None:
 def _add_model_and_card_arguments(p) -> None:
     """What is served on what: --model, --dtype, --card, --engine-profile, --tp,
     --replicas and --timing."""
-    p.add_argument("--model", default="deepseek-r1-distill-qwen-7b", metavar="MODEL",
+    p.add_argument("--model", default=DEFAULT_MODEL, metavar="MODEL",
                    help=f"a preset ({', '.join(list(MODELS) + list(MODEL_ALIASES))}), a Hugging "
-                        f"Face config.json or a directory holding one (default "
-                        f"deepseek-r1-distill-qwen-7b)")
+                        f"Face config.json or a directory holding one (default {DEFAULT_MODEL})")
     p.add_argument("--dtype", default="bf16", type=dtype_argument(DTYPE_BYTES),
                    metavar="{bf16,bfloat16,int8,fp32,float32}",
                    help="weight type (default bf16; the engine's default is float32, its CPU "

@@ -11,7 +11,7 @@ from odma_cli.errors import BadArgument, OdmaError
 
 from allocator.config import AllocatorConfig
 from allocator.policies import POLICIES
-from allocator.serving.cards.presets import accelerator, model_spec
+from allocator.serving.cards.presets import DEFAULT_CARD, DEFAULT_MODEL, accelerator, model_spec
 from allocator.serving.cards.profiles import EngineProfile
 from allocator.serving.cards.profiles import engine_profile as load_engine_profile
 from allocator.serving.core.checks import check_scheduling
@@ -27,7 +27,7 @@ DEFAULT_MFU = 0.5                       # prefill compute efficiency where the c
 
 
 def simulate(trace, policies=("odma", "static", "paged"), rates=(None,), *,
-             model="deepseek-r1-distill-qwen-7b", device="mlu370-x4", timing=None,
+             model=DEFAULT_MODEL, device=DEFAULT_CARD, timing=None,
              emu: EmuSettings | None = None, dtype="bf16", tp=1, replicas=1, requests=None,
              max_model_len=None, clip=False, time_scale=1.0, seed=0, config=None,
              prefix: PrefixSettings | None = None, progress=False, results: list | None = None,
