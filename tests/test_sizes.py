@@ -17,8 +17,6 @@ MAX_FUNCTION_LINES = 80
 
 # (file, function's qualified name) -> (why it stays one function, the words of that reason
 # its docstring gives beside "one function")
-TRITON_KERNEL = ("a Triton kernel: a helper would be a global that the compiled and the "
-                 "interpreted kernels share", "interpreted kernels")
 EXEMPT = {
     ("odma_hw/emu/timing_loop.py", "run_slice"): (
         "the Numba timing loop: the rank-level state lives in locals for the whole slice",
@@ -26,8 +24,6 @@ EXEMPT = {
     ("odma_hw/emu/checker.py", "check"): (
         "the JEDEC checker: one replay over one running state, a rule per branch",
         "JEDEC checker"),
-    ("allocator/serving/engine/run_kernels.py", "_decode_kernel"): TRITON_KERNEL,
-    ("allocator/serving/engine/run_kernels.py", "_prefill_kernel"): TRITON_KERNEL,
 }
 
 

@@ -42,6 +42,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import types
 
 import torch
 
@@ -201,11 +202,11 @@ def prefill_triton(q, pool, runs, q_start, q_len, q_pos, layer, kv_heads, head_d
     return out
 
 
-# The kernels below are plain functions, decorated with triton.jit only on first use
-# (_kernels): triton decides at decoration time whether a kernel is compiled or interpreted
-# (TRITON_INTERPRET), so decorating at import would fix the mode for whoever imported first.
-# They call no helper functions (a helper is a global the compiled and interpreted kernels
-# would have to share): the run lookup is written out in both attention kernels. Nor do they
+# The kernels and their helpers below are plain functions, made into Triton functions only on
+# first use (_kernels): triton decides when it wraps a function whether it is compiled or
+# interpreted (TRITON_INTERPRET), so wrapping at import would fix the mode for whoever imported
+# first. Each mode gets its own copies of them, whose globals are a namespace of that mode's
+# (the helpers a kernel calls are looked up there), so the two modes share nothing. Nor do they
 # call triton's library functions (tl.max, tl.sum, tl.cdiv, tl.zeros: @jit functions of
 # triton.language.standard, decorated in whichever mode was in force when triton was first
 # imported, so compiled-mode ones if anything imported triton before TRITON_INTERPRET=1 was
@@ -218,18 +219,26 @@ def _kernels(interpret: bool) -> dict:
     if not triton_available():
         raise BadArgument("the triton attention backend needs triton, which does not import here")
     import triton.language as tl_mod
-    globals()["tl"] = tl_mod
     if interpret:
         _fix_interpreter()
         from triton.runtime.interpreter import InterpretedFunction as make
+
+        def helper(fn):   # a kernel's launch has patched the language: call the rewritten code
+            return make(fn).rewrite()
     else:
         from triton.runtime.jit import JITFunction as make
+        helper = make
+    scope = dict(globals(), tl=tl_mod)
+
+    def own(fn):
+        return types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__)
+    scope.update((fn.__name__, helper(own(fn))) for fn in _HELPERS)
     # the split count S and the layer are values, not specialisations: a step whose batch size
     # picks another S (an eager mixed step, a batch between two graph sizes) or a layer whose
     # index is a multiple of 16 must not compile a kernel in the middle of a timed run
     fixed = {"decode": ["S", "layer"], "combine": ["S"], "store": ["layer"],
              "prefill": ["layer"]}
-    return {name: make(fn, **({} if interpret else {"do_not_specialize": fixed[name]}))
+    return {name: make(own(fn), **({} if interpret else {"do_not_specialize": fixed[name]}))
             for name, fn in (("store", _store_kv_kernel), ("decode", _decode_kernel),
                              ("combine", _combine_kernel), ("prefill", _prefill_kernel))}
 
@@ -260,7 +269,7 @@ def _fix_interpreter() -> None:
     interpreter._patch_lang_tensor = patched
 
 
-tl = None   # triton.language, set by _kernels (annotations are strings: never evaluated)
+tl = None   # triton.language in the namespaces _kernels makes (annotations are strings)
 
 
 def _store_kv_kernel(pool_ptr, k_ptr, v_ptr, slot_ptr, slot_cap_ptr,
@@ -293,21 +302,18 @@ def _decode_kernel(q_ptr, pool_ptr, run_start_ptr, run_off_ptr, run_cap_ptr, run
                    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, LOG_N: tl.constexpr,
                    ALIGN: tl.constexpr, DIRECT: tl.constexpr, PREC: tl.constexpr,
                    UPCAST: tl.constexpr):
-    """The decode kernel (module docstring). One function over 80 lines, on purpose: a helper
-    would be a global that the compiled and the interpreted kernels share (see _kernels)."""
+    """The decode kernel (module docstring)."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
-    offs_n = tl.arange(0, BLOCK_N)
     gmask = offs_g < G
     dmask = offs_d < D
     heads = h * G + offs_g
     q = tl.load(q_ptr + b.to(tl.int64) * sq_b + heads[:, None] * sq_h + offs_d[None, :] * sq_d,
                 mask=gmask[:, None] & dmask[None, :], other=0.0)
-    kv_ty = pool_ptr.dtype.element_ty
-    q = q.to(kv_ty)
+    q = q.to(pool_ptr.dtype.element_ty)
     if UPCAST:
         q = q.to(tl.float32)
 
@@ -317,62 +323,19 @@ def _decode_kernel(q_ptr, pool_ptr, run_start_ptr, run_off_ptr, run_cap_ptr, run
     chunk = tl.maximum(chunk, MIN_CHUNK)
     lo = s * chunk
     hi = tl.minimum(lo + chunk, ctx)
-
-    # r0: the run holding position lo (scalar binary search over the request's runs)
-    r_end = tl.load(run_start_ptr + b + 1)
-    a = tl.load(run_start_ptr + b)
-    z = r_end
-    while z - a > 1:
-        mid = (a + z) // 2
-        go = tl.load(run_pos_ptr + mid) <= lo
-        a = tl.where(go, mid, a)
-        z = tl.where(go, z, mid)
-    r0 = a
+    r0, r_end = _run_at(run_start_ptr, run_pos_ptr, b, lo)
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.full([BLOCK_G], 0.0, tl.float32)
     acc = tl.full([BLOCK_G, BLOCK_D], 0.0, tl.float32)
     head_k = (layer * 2 * KVH + h).to(tl.int64)
     for p in range(lo, hi, BLOCK_N):
-        pos = p + offs_n
-        valid = pos < hi
-        # each lane's run: the last r in [r0, r0 + BLOCK_N) with run_pos[r] <= pos
-        r = tl.full([BLOCK_N], 0, tl.int32) + r0
-        for i in tl.static_range(LOG_N):
-            mid = r + (BLOCK_N >> (i + 1))
-            ok = valid & (mid < r_end)
-            go = ok & (tl.load(run_pos_ptr + mid, mask=ok, other=0) <= pos)
-            r = tl.where(go, mid, r)
-        first = tl.load(run_pos_ptr + r, mask=valid, other=0)
-        off = tl.load(run_off_ptr + r, mask=valid, other=0)
-        cap = tl.load(run_cap_ptr + r, mask=valid, other=0).to(tl.int64)
-        krow = off + (head_k * cap + (pos - first)) * D
-        vrow = krow + KVH * cap * D
-        if ALIGN > 1:
-            krow = tl.multiple_of(krow, ALIGN)
-            vrow = tl.multiple_of(vrow, ALIGN)
-        kv_mask = valid[:, None] & dmask[None, :]
-        k = tl.load(pool_ptr + krow[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-        qk = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale      # [BLOCK_G, BLOCK_N]
-        qk = tl.where(valid[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.reduce(qk, 1, tl.standard._elementwise_max))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_use)
-        pexp = tl.exp2(qk - m_use[:, None])
-        l_i = l_i * alpha + tl.reduce(pexp, 1, tl.standard._sum_combine)
-        v = tl.load(pool_ptr + vrow[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        pv = pexp.to(kv_ty)
-        if UPCAST:
-            v = v.to(tl.float32)
-            pv = pv.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision=PREC)
-        m_i = m_new
-        # the next tile's first run: this tile's last run, or the one after it
-        r_last = tl.reduce(tl.where(valid, r, r0), 0, tl.standard._elementwise_max)
-        nxt = tl.load(run_pos_ptr + r_last + 1, mask=r_last + 1 < r_end, other=0x7FFFFFFF)
-        r0 = r_last + (nxt <= p + BLOCK_N).to(tl.int32)
+        pos, valid, krow, vrow, r = _tile_rows(run_pos_ptr, run_off_ptr, run_cap_ptr, p, hi,
+                                               r0, r_end, head_k, KVH, D, BLOCK_N, LOG_N, ALIGN)
+        m_i, l_i, acc = _attend_tile(q, pool_ptr, krow, vrow, valid[:, None] & dmask[None, :],
+                                     valid[None, :], offs_d, m_i, l_i, acc, qk_scale, PREC,
+                                     UPCAST)
+        r0 = _next_run(run_pos_ptr, r, valid, r0, r_end, p, BLOCK_N)
 
     if DIRECT:
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -416,15 +379,13 @@ def _prefill_kernel(q_ptr, pool_ptr, run_start_ptr, run_off_ptr, run_cap_ptr, ru
                     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                     LOG_N: tl.constexpr, ALIGN: tl.constexpr, PREC: tl.constexpr,
                     UPCAST: tl.constexpr):
-    """The prefill kernel (module docstring). One function over 80 lines, on purpose: a helper
-    would be a global that the compiled and the interpreted kernels share (see _kernels)."""
+    """The prefill kernel (module docstring)."""
     b = tl.program_id(0)
     tile = tl.program_id(1)
     h = tl.program_id(2)
     # rows are (query token, query head) pairs: TOK tokens x G heads of kv head h
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    offs_n = tl.arange(0, BLOCK_N)
     dmask = offs_d < D
     t_in = offs_m // G
     heads = h * G + offs_m % G
@@ -436,8 +397,7 @@ def _prefill_kernel(q_ptr, pool_ptr, run_start_ptr, run_off_ptr, run_cap_ptr, ru
     qmask = rvalid[:, None] & dmask[None, :]
     q = tl.load(q_ptr + qrow[:, None] * sq_n + heads[:, None] * sq_h + offs_d[None, :] * sq_d,
                 mask=qmask, other=0.0)
-    kv_ty = pool_ptr.dtype.element_ty
-    q = q.to(kv_ty)
+    q = q.to(pool_ptr.dtype.element_ty)
     if UPCAST:
         q = q.to(tl.float32)
 
@@ -450,45 +410,87 @@ def _prefill_kernel(q_ptr, pool_ptr, run_start_ptr, run_off_ptr, run_cap_ptr, ru
     acc = tl.full([BLOCK_M, BLOCK_D], 0.0, tl.float32)
     head_k = (layer * 2 * KVH + h).to(tl.int64)
     for p in range(0, hi, BLOCK_N):
-        pos = p + offs_n
-        valid = pos < hi
-        r = tl.full([BLOCK_N], 0, tl.int32) + r0
-        for i in tl.static_range(LOG_N):
-            mid = r + (BLOCK_N >> (i + 1))
-            ok = valid & (mid < r_end)
-            go = ok & (tl.load(run_pos_ptr + mid, mask=ok, other=0) <= pos)
-            r = tl.where(go, mid, r)
-        first = tl.load(run_pos_ptr + r, mask=valid, other=0)
-        off = tl.load(run_off_ptr + r, mask=valid, other=0)
-        cap = tl.load(run_cap_ptr + r, mask=valid, other=0).to(tl.int64)
-        krow = off + (head_k * cap + (pos - first)) * D
-        vrow = krow + KVH * cap * D
-        if ALIGN > 1:
-            krow = tl.multiple_of(krow, ALIGN)
-            vrow = tl.multiple_of(vrow, ALIGN)
-        kv_mask = valid[:, None] & dmask[None, :]
-        k = tl.load(pool_ptr + krow[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-        qk = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale      # [BLOCK_M, BLOCK_N]
-        allowed = valid[None, :] & (pos[None, :] <= qpos[:, None])
-        qk = tl.where(allowed, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.reduce(qk, 1, tl.standard._elementwise_max))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_use)
-        pexp = tl.exp2(qk - m_use[:, None])
-        l_i = l_i * alpha + tl.reduce(pexp, 1, tl.standard._sum_combine)
-        v = tl.load(pool_ptr + vrow[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        pv = pexp.to(kv_ty)
-        if UPCAST:
-            v = v.to(tl.float32)
-            pv = pv.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision=PREC)
-        m_i = m_new
-        r_last = tl.reduce(tl.where(valid, r, r0), 0, tl.standard._elementwise_max)
-        nxt = tl.load(run_pos_ptr + r_last + 1, mask=r_last + 1 < r_end, other=0x7FFFFFFF)
-        r0 = r_last + (nxt <= p + BLOCK_N).to(tl.int32)
+        pos, valid, krow, vrow, r = _tile_rows(run_pos_ptr, run_off_ptr, run_cap_ptr, p, hi,
+                                               r0, r_end, head_k, KVH, D, BLOCK_N, LOG_N, ALIGN)
+        allowed = valid[None, :] & (pos[None, :] <= qpos[:, None])        # causal
+        m_i, l_i, acc = _attend_tile(q, pool_ptr, krow, vrow, valid[:, None] & dmask[None, :],
+                                     allowed, offs_d, m_i, l_i, acc, qk_scale, PREC, UPCAST)
+        r0 = _next_run(run_pos_ptr, r, valid, r0, r_end, p, BLOCK_N)
 
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + qrow[:, None] * so_n + heads[:, None] * so_h + offs_d[None, :] * so_d,
              o.to(out_ptr.dtype.element_ty), mask=qmask)
+
+
+# ---------------------------------------------------------------- helpers of both kernels
+def _run_at(run_start_ptr, run_pos_ptr, b, lo):
+    """(the run of request b holding position lo, the end of b's runs): a scalar binary search
+    over the request's runs."""
+    r_end = tl.load(run_start_ptr + b + 1)
+    a = tl.load(run_start_ptr + b)
+    z = r_end
+    while z - a > 1:
+        mid = (a + z) // 2
+        go = tl.load(run_pos_ptr + mid) <= lo
+        a = tl.where(go, mid, a)
+        z = tl.where(go, z, mid)
+    return a, r_end
+
+
+def _tile_rows(run_pos_ptr, run_off_ptr, run_cap_ptr, p, hi, r0, r_end, head_k,
+               KVH: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+               LOG_N: tl.constexpr, ALIGN: tl.constexpr):
+    """The tile of positions [p, p + BLOCK_N) below hi, r0 the run of position p: each lane's
+    (position, valid, K row, V row, run). A lane's run is the last r in [r0, r0 + BLOCK_N)
+    with run_pos[r] <= its position (binary lifting)."""
+    pos = p + tl.arange(0, BLOCK_N)
+    valid = pos < hi
+    r = tl.full([BLOCK_N], 0, tl.int32) + r0
+    for i in tl.static_range(LOG_N):
+        mid = r + (BLOCK_N >> (i + 1))
+        ok = valid & (mid < r_end)
+        go = ok & (tl.load(run_pos_ptr + mid, mask=ok, other=0) <= pos)
+        r = tl.where(go, mid, r)
+    first = tl.load(run_pos_ptr + r, mask=valid, other=0)
+    off = tl.load(run_off_ptr + r, mask=valid, other=0)
+    cap = tl.load(run_cap_ptr + r, mask=valid, other=0).to(tl.int64)
+    krow = off + (head_k * cap + (pos - first)) * D
+    vrow = krow + KVH * cap * D
+    if ALIGN > 1:
+        krow = tl.multiple_of(krow, ALIGN)
+        vrow = tl.multiple_of(vrow, ALIGN)
+    return pos, valid, krow, vrow, r
+
+
+def _attend_tile(q, pool_ptr, krow, vrow, kv_mask, allowed, offs_d, m_i, l_i, acc, qk_scale,
+                 PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """One tile of online softmax: the queries q against the tile's K rows where `allowed`,
+    then its V rows into (running max, running sum, accumulator)."""
+    kv_ty = pool_ptr.dtype.element_ty
+    k = tl.load(pool_ptr + krow[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    if UPCAST:
+        k = k.to(tl.float32)
+    qk = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale      # [queries, BLOCK_N]
+    qk = tl.where(allowed, qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.reduce(qk, 1, tl.standard._elementwise_max))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_use)
+    pexp = tl.exp2(qk - m_use[:, None])
+    l_i = l_i * alpha + tl.reduce(pexp, 1, tl.standard._sum_combine)
+    v = tl.load(pool_ptr + vrow[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    pv = pexp.to(kv_ty)
+    if UPCAST:
+        v = v.to(tl.float32)
+        pv = pv.to(tl.float32)
+    acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision=PREC)
+    return m_new, l_i, acc
+
+
+def _next_run(run_pos_ptr, r, valid, r0, r_end, p, BLOCK_N: tl.constexpr):
+    """The run of the next tile's first position: this tile's last run, or the one after it."""
+    r_last = tl.reduce(tl.where(valid, r, r0), 0, tl.standard._elementwise_max)
+    nxt = tl.load(run_pos_ptr + r_last + 1, mask=r_last + 1 < r_end, other=0x7FFFFFFF)
+    return r_last + (nxt <= p + BLOCK_N).to(tl.int32)
+
+
+_HELPERS = (_run_at, _tile_rows, _attend_tile, _next_run)
