@@ -77,29 +77,29 @@ G=auto; ATT=auto
 for try in "auto auto" "off auto" "off torch"; do
   set -- $try; G=$1; ATT=$2
   step check_tiny_${G}_${ATT} 60 $E --cuda-graphs $G --attention $ATT --model tiny-qwen2 \
-    --trace "$R/check_tiny.csv" --requests $TINYN --kv-pool-mb 0.5 --policy $ALL --check --json
+    --trace "$R/check_tiny.csv" --requests $TINYN --kv-pool-gb 0.0005 --policy $ALL --check --json
   [ $rc = 0 ] && break
 done
 echo "=== the engine runs below: --cuda-graphs $G --attention $ATT"
 E="$E --cuda-graphs $G --attention $ATT --model $MODEL --dtype $DT --card $CARD"
-S="$OH simulate --device $CARD --model $MODEL --dtype ${DT/bfloat16/bf16}"
+S="$OH simulate --card $CARD --model $MODEL --dtype ${DT/bfloat16/bf16}"
 S="${S/float32/fp32}"
 # 2. the model's own check (bf16), every policy
-step check_model 100 $E --trace "$R/check_model.csv" --kv-pool-mb 64 --policy $ALL --check \
+step check_model 100 $E --trace "$R/check_model.csv" --kv-pool-gb 0.064 --policy $ALL --check \
   --json
 # 3. speed: the first GPU run's 32 requests (max batch 32, 512 MB), every policy and
 # transformers' continuous batching
-step speed32 150 $E --trace "$R/t32.csv" --max-batch $MB --kv-pool-mb $POOL \
+step speed32 150 $E --trace "$R/t32.csv" --max-batch $MB --kv-pool-gb $(gb $POOL) \
   --policy $FIVE,hf --json
 # 4. the full run: 256 requests, prompts <= 2048, outputs <= 256, max batch 128, a 4 GB pool
 # (odma first, as on the runs where it trailed static; each row counts the kernels compiled
 # inside its timed run)
-step full256 130 $E --trace "$R/t256.csv" --max-batch $BIGMB --kv-pool-mb $BIGPOOL \
+step full256 130 $E --trace "$R/t256.csv" --max-batch $BIGMB --kv-pool-gb $(gb $BIGPOOL) \
   --max-model-len $BIGLEN --policy $FIVE --json
 # 5. simulate's predictions of those runs (the card, and the h100-sxm preset)
 for C in "$CARD" h100-sxm; do
   n=$(basename "$C" .toml)
-  S2="${S/--device $CARD/--device $C}"
+  S2="${S/--card $CARD/--card $C}"
   step sim32_$n 30 $S2 --trace "$R/t32.csv" --max-batch $MB --kv-pool-gb $(gb $POOL) \
     --policy $FIVE --json
   step sim32c_$n 30 $S2 --trace "$R/t32.csv" --max-batch $MB --kv-pool-gb $(gb $POOL) \
@@ -109,18 +109,18 @@ for C in "$CARD" h100-sxm; do
 done
 # the full run's first two policies the other way round: whatever the first policy measured
 # pays that the warm-up did not (it trailed static by 1.5-1.9x on the first H100 runs)
-step full256_rev 60 $E --trace "$R/t256.csv" --max-batch $BIGMB --kv-pool-mb $BIGPOOL \
+step full256_rev 60 $E --trace "$R/t256.csv" --max-batch $BIGMB --kv-pool-gb $(gb $BIGPOOL) \
   --max-model-len $BIGLEN --policy static,odma --json
 # 6. as time allows: chunked prefill; transformers at its best (its own CUDA graphs asked
 # for) on both runs; the decode kernel's KV read rate by layout (beside the probe's
 # sequential read in calibrate's card)
-step speed32_chunked 60 $E --trace "$R/t32.csv" --max-batch $MB --kv-pool-mb $POOL \
+step speed32_chunked 60 $E --trace "$R/t32.csv" --max-batch $MB --kv-pool-gb $(gb $POOL) \
   --max-num-batched-tokens 2048 --policy odma,paged --json
 HFG=${E/--cuda-graphs $G/--cuda-graphs on}
 if [ "${HF_GRAPHS:-1}" = 1 ]; then
-  step speed32_hf_graphs 40 $HFG --trace "$R/t32.csv" --max-batch $MB --kv-pool-mb $POOL \
+  step speed32_hf_graphs 40 $HFG --trace "$R/t32.csv" --max-batch $MB --kv-pool-gb $(gb $POOL) \
     --policy hf --json
-  step full256_hf 70 $HFG --trace "$R/t256.csv" --max-batch $BIGMB --kv-pool-mb $BIGPOOL \
+  step full256_hf 70 $HFG --trace "$R/t256.csv" --max-batch $BIGMB --kv-pool-gb $(gb $BIGPOOL) \
     --max-model-len $BIGLEN --policy hf --json
 fi
 step kernel_bench 60 $PY -m pytest bench/bench_run_attention.py --benchmark-only -q \
