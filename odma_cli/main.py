@@ -97,10 +97,22 @@ def _discard_stdout() -> None:
         pass
 
 
+def parse(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
+    """(the parser, the parsed line). A command's --preset (a name whose `flags` are other
+    options) is read as if its flags came first after the command, so the line's own win."""
+    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parser.parse_args(argv)
+    flags = getattr(getattr(args, "preset", None), "flags", ())
+    if flags:
+        at = argv.index(args.command) + 1
+        args = parser.parse_args(argv[:at] + list(flags) + argv[at:])
+    return parser, args
+
+
 def _run(argv: list[str] | None) -> int:
     """Parse and run one command; odma errors and Ctrl-C become their exit codes."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    parser, args = parse(argv)
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

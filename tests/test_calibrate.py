@@ -76,6 +76,7 @@ def test_a_quick_calibration_writes_a_card_with_every_required_key(calibrated):
     assert 0 < card["mfu"] <= 1
     assert "placeholder" in card["source"]           # the links are not measured, and it says so
     assert card["timing"] == "probe:card.probe.json"
+    assert card["dtype"] == result["dtype"] == "float32"   # what --dtype auto then serves
     assert sorted(os.listdir(folder)) == ["card.probe.json", "card.toml"]   # no temp file left
 
 
@@ -473,9 +474,11 @@ def test_a_json_out_is_a_json_card_that_simulate_and_the_engine_read(tmp_path, c
         load_card(tmp_path / "cpu.toml").matmul_tflops
     trace = tmp_path / "t.csv"
     trace.write_text("num_prefill_tokens,num_decode_tokens\n10,5\n20,3\n")
-    rc, _, err = run(["simulate", "--trace", str(trace), "--policy", "odma",
-                      "--device", str(tmp_path / "cpu.json")])
+    # the model the card measured, at the type it measured (--dtype auto: float32)
+    rc, out, err = run(["simulate", "--trace", str(trace), "--policy", "odma", "--model",
+                        "tiny-llama", "--device", str(tmp_path / "cpu.json"), "--json"])
     assert rc == 0, err
+    assert json.loads(out)["results"][0]["settings"]["dtype"] == "fp32"
     # what `engine --card` reads the card for: extent's knee
     from allocator.serving.engine.cli import card_knee
 

@@ -332,6 +332,8 @@ def bad_cards():
         ("huge-integer-channels", dict(base, timing="emu:lpddr5-6400", emu_channels=10 ** 400),
          [], "emu_channels"),
         ("int8-without-tops", base, ["--dtype", "int8"], "tops_int8"),
+        ("unknown-dtype", dict(base, dtype="int4"), [], "dtype"),
+        ("dtype-not-text", dict(base, dtype=16), [], "dtype"),
         ("fp32-without-tflops", base, ["--dtype", "fp32"], "tflops_fp32"),
         ("bad-toml", "name = \n", [], None),
         ("not-a-table", [1, 2], [], None),
@@ -475,6 +477,21 @@ def test_a_card_with_the_dtypes_figure_serves_it(tmp_path, small_trace, capsys):
         r = run_json(capsys, ["simulate", "--trace", small_trace, "--policy", "odma",
                               "--device", path, "--dtype", dtype])["results"][0]
         assert r["settings"]["dtype"] == dtype
+
+
+def test_dtype_auto_serves_the_type_a_card_was_measured_at_else_bf16(tmp_path, small_trace,
+                                                                     capsys):
+    """--dtype auto (the default) is the card's `dtype`, which calibrate writes; a card without
+    one serves bf16. Each card of a run takes its own."""
+    measured = write_card(tmp_path, plain(name="cpu-card", timing="ideal", tflops_fp32=16.0,
+                                          capacity_gb=80.0, dtype="float32"))
+    doc = run_json(capsys, ["simulate", "--trace", small_trace, "--policy", "odma",
+                            "--card", f"{measured},a100-80gb"])
+    assert {r["settings"]["device"]: r["settings"]["dtype"] for r in doc["results"]} == {
+        "cpu-card": "fp32", "a100-80gb": "bf16"}
+    doc = run_json(capsys, ["simulate", "--trace", small_trace, "--policy", "odma",
+                            "--card", measured, "--dtype", "bf16"])
+    assert doc["results"][0]["settings"]["dtype"] == "bf16"      # named, it wins
 
 
 def test_simulate_without_trace_nor_list_is_one_line(capsys):

@@ -84,3 +84,52 @@ def test_the_step_bench_times_both_commands_over_the_same_plans(capsys):
     rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.strip()]
     prompts = {r[1]: int(r[4]) for r in rows if r[2:4] == ["with", "prompts"]}
     assert set(prompts) == {"engine", "simulate"} and prompts["engine"] == prompts["simulate"] > 0
+
+
+def test_a_preset_stands_for_its_flags_in_every_command_and_the_lines_own_flags_win():
+    """--preset vllm-v1 reads as vLLM v1's flags placed first: simulate and advise take all of
+    them, the engine those it has (no --layout); a flag given on the line wins, before or after
+    the preset."""
+    from odma_cli.main import parse
+
+    for command in ("simulate", "advise", "engine"):
+        command = [command, "--trace", "t.csv"]
+        args = vars(parse([*command, "--preset", "vllm-v1"])[1])
+        assert (args["max_num_batched_tokens"], args["max_batch"]) == (8192, 1024), command
+        assert args.get("layout", "nhd") == "nhd", command
+        for line in (["--max-batch", "64", "--preset", "vllm-v1"],
+                     ["--preset", "vllm-v1", "--max-batch", "64"]):
+            args = vars(parse([*command, *line])[1])
+            assert (args["max_num_batched_tokens"], args["max_batch"]) == (8192, 64), line
+    assert vars(parse(["simulate"])[1])["layout"] == "hnd"      # the paper's, without a preset
+
+
+def test_an_unknown_preset_is_refused_in_one_line(capsys):
+    from odma_cli.main import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["simulate", "--preset", "vllm-v9"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "unknown preset 'vllm-v9'" in err and "vllm-v1" in err
+
+
+def test_dtype_auto_is_one_rule_in_both_commands(tmp_path):
+    """--dtype auto, both commands' default: the type the card was measured at, else the
+    device's (float32 on a CPU); simulate's cards without one serve bf16 (test_cards.py)."""
+    from odma_cli.main import parse
+
+    from allocator.serving.engine.cli import prepare
+
+    trace = tmp_path / "t.csv"
+    trace.write_text("num_prefill_tokens,num_decode_tokens\n20,4\n30,2\n")
+    card = tmp_path / "bf16.toml"
+    card.write_text('name = "bf16-card"\nbandwidth_gbps = 100.0\ncapacity_gb = 16.0\n'
+                    'tflops_bf16 = 10.0\ntiming = "ideal"\nlink_gbps = 32.0\n'
+                    'link_latency_us = 10.0\ndtype = "bfloat16"\n')
+    for extra, engine_dtype in (([], "float32"), (["--card", str(card)], "bfloat16"),
+                                (["--card", str(card), "--dtype", "fp32"], "float32")):
+        args = parse(["engine", "--trace", str(trace), "--policy", "odma", *extra])[1]
+        prepare(args)
+        assert args.dtype == engine_dtype, extra
+    assert parse(["simulate", "--trace", str(trace)])[1].dtype == "auto"

@@ -16,7 +16,8 @@ from odma_cli import argtypes
 from odma_cli.errors import BadArgument
 
 from allocator.policies import POLICIES, policy
-from allocator.serving.cards.presets import DEFAULT_CARD, accelerator, card_names
+from allocator.serving.cards.presets import (DEFAULT_CARD, DTYPE_SPELLINGS, accelerator,
+                                             card_names)
 from allocator.serving.core.checks import PREEMPTION
 from allocator.serving.core.metrics import ITL_TOKEN_TIMES, SLO_METRICS, parse_goodput
 from allocator.serving.sim.replica import MAX_TIER_BYTES
@@ -101,15 +102,15 @@ def parse_policies(text: str, extra: tuple = ()) -> list[str]:
 SERVING_OPTION_UNITS = {"rate": "req/s", "page-tokens": "tokens", "max-model-len": "tokens",
                         "max-num-batched-tokens": "tokens", "prompt-cap": "tokens",
                         "output-cap": "tokens", "concurrency": "requests"}
-# both spellings of a dtype, as torch and as vLLM's short names
-DTYPE_SPELLINGS = {"fp32": "float32", "float32": "fp32", "bf16": "bfloat16", "bfloat16": "bf16",
-                   "fp16": "float16", "float16": "fp16", "int8": "int8"}
+AUTO_DTYPE = ("the type the card was calibrated at (calibrate writes it), else float32 on a "
+              "CPU, bf16 on a GPU or MLU")
 
 
 def dtype_argument(names):
     """The type of a --dtype among `names` (a command's own spellings): either spelling of
-    one (fp32 or float32, bf16 or bfloat16) -> the command's."""
-    names = list(names)
+    one (fp32 or float32, bf16 or bfloat16) -> the command's; or auto (cards.presets.auto_dtype
+    decides, per card)."""
+    names = ["auto", *names]
 
     def parse(text: str) -> str:
         t = text.strip().lower()
@@ -281,6 +282,41 @@ def add_scheduling_arguments(p) -> None:
                         "first W waiting requests, the oldest whose predicted length falls in "
                         "the batch's commonest bucket (the head after W pass-overs; default 0: "
                         "off, arrival order)")
+
+
+# Other servers' settings one option away. A preset is flags put before the command line's
+# own (the shell re-reads the line so: odma_cli.main), so a flag given explicitly still wins;
+# a command takes the flags it has (the engine has no --layout).
+PRESETS = {
+    "vllm-v1": ("vLLM v1's OpenAI server on an H100-class GPU: nhd pages, chunked prefill at "
+                "8,192 tokens a step, 1,024 running requests",
+                ("--layout", "nhd", "--max-num-batched-tokens", "8192", "--max-batch", "1024")),
+}
+
+
+class Preset(str):
+    """A --preset's name, carrying the flags it stands for (`flags`) in this command."""
+
+    flags: tuple = ()
+
+
+def add_preset_argument(p) -> None:
+    """--preset NAME, after every option it may set has been added to p."""
+    known = p._option_string_actions        # argparse keeps no public list of a parser's flags
+
+    def preset(name: str) -> Preset:
+        if name not in PRESETS:
+            raise argparse.ArgumentTypeError(f"unknown preset {name!r} (one of "
+                                             f"{', '.join(PRESETS)})")
+        flags = PRESETS[name][1]
+        got = Preset(name)
+        got.flags = tuple(x for flag, value in zip(flags[::2], flags[1::2])
+                          if flag in known for x in (flag, value))
+        return got
+    p.add_argument("--preset", type=preset, default=None, metavar="NAME",
+                   help="another server's defaults, each flag given on the line still winning: "
+                        + "; ".join(f"{name} ({what}: {' '.join(flags)})"
+                                    for name, (what, flags) in PRESETS.items()))
 
 
 def scheduler_text(max_batched_tokens, max_batch, concurrency=None) -> str:

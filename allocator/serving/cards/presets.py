@@ -22,6 +22,16 @@ from allocator.serving.cards.datafile import (BANDWIDTH_GBPS, CAPACITY_GB, FRACT
                                               TFLOPS, Range)
 
 DTYPE_BYTES = {"bf16": 2, "int8": 1, "fp32": 4}
+# both spellings of a dtype, as torch and as vLLM's short names
+DTYPE_SPELLINGS = {"fp32": "float32", "float32": "fp32", "bf16": "bfloat16", "bfloat16": "bf16",
+                   "fp16": "float16", "float16": "fp16", "int8": "int8"}
+
+
+def auto_dtype(card_dtype: str | None, on_cpu: bool = False) -> str:
+    """--dtype auto, one rule for simulate and the engine (in simulate's spelling): the type a
+    card's figures were measured at (calibrate writes it), else float32 on a CPU (the engine's
+    own there: bf16 matmuls are an extension some CPUs lack), else bf16."""
+    return card_dtype or ("fp32" if on_cpu else "bf16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -220,6 +230,8 @@ class Accelerator:
     # the hardware the card describes, as its driver names it ("NVIDIA H100 80GB HBM3"): a
     # probe file the card's timing names must be of that device
     device_name: str | None = None
+    # the weight and KV type the card's measured figures are of (bf16, fp32): --dtype auto
+    dtype: str | None = None
     source: str = ""
     path: str = ""                  # the card file
 
@@ -271,6 +283,7 @@ CARD_KEYS = {
     "matmul_tflops": (False, "table"),
     "engine_run_gbps": (False, "rate table"),
     "device_name": (False, "text"),
+    "dtype": (False, "dtype"),
     "source": (False, "text"),
 }
 
@@ -301,6 +314,13 @@ def _card_value(path, key: str, v):
             raise BadArgument(f"{where}: {key!r} needs at least 2 run sizes to interpolate "
                               f"between, got {datafile.shown(v)}")
         return tuple(rows.items())
+    if kind == "dtype":
+        name = DTYPE_SPELLINGS.get(v) if isinstance(v, str) else None
+        short = v if v in DTYPE_BYTES else name
+        if short not in DTYPE_BYTES:
+            raise BadArgument(f"{where}: 'dtype' must be one of {', '.join(DTYPE_BYTES)} (or "
+                              f"float32, bfloat16), got {datafile.shown(v)}")
+        return short
     if kind == "count":
         ok = isinstance(v, int) and not isinstance(v, bool) and v >= 1
         what = "a positive integer"

@@ -221,7 +221,7 @@ def card_contents(args, p: dict, effort, m: dict, when: str, measured: str | Non
                    "link_gbps": LINK_GBPS_PLACEHOLDER,
                    "link_latency_us": LINK_LATENCY_US_PLACEHOLDER,
                    **over, **({"device_name": measured} if measured else {}),
-                   "source": source})
+                   "dtype": dtype, "source": source})
     comments = {
         "bandwidth_gbps": [f"sequential read, GB/s (1e9 B/s); memory figures: {bw['source']}"],
         "capacity_gb": ["the device's whole memory, GB" + (" (host memory)" if
@@ -240,10 +240,12 @@ def card_contents(args, p: dict, effort, m: dict, when: str, measured: str | Non
                             "above size extents"],
         "link_gbps": ["placeholders, NOT measured (one device has no peer): PCIe 4.0 x16 per",
                       "direction and a 10 us hop; they matter only for simulate --tp > 1"],
+        "dtype": ["the engine's weight and KV type of every figure here: what simulate and the "
+                  "engine run with --dtype auto"],
         "step_overhead_us": [f"overheads fitted on the engine's steps of {args.model}, "
                              f"microseconds: per step, per layer,",
                              "per running request, per running request per layer"],
     }
     header = [f"device card of {dev['spec']}, written by odma-hw calibrate on {when}",
-              f"engine dtype {dtype}; `odma-hw simulate --device THIS_FILE` reads it"]
+              f"engine dtype {dtype}; `odma-hw simulate --card THIS_FILE` reads it"]
     return values, comments, header

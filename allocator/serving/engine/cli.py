@@ -34,7 +34,8 @@ def prepare(args):
     what the model and the pool take against the device's free memory."""
     from allocator.config import AllocatorConfig
     from allocator.policies import policy as policy_spec
-    from allocator.serving.cards.presets import accelerator, model_from_config
+    from allocator.serving.cards.presets import (DTYPE_SPELLINGS, accelerator, auto_dtype,
+                                                 model_from_config)
     from allocator.serving.core.checks import check_scheduling
     from allocator.serving.engine.run_attention import attention_backend
     from allocator.serving.engine.serve import use_graphs
@@ -50,14 +51,18 @@ def prepare(args):
         raise BadArgument(f"--policy hf runs transformers' own scheduler: {ours[0]} is odma-hw's "
                           f"(run hf apart)")
     check_options_used(policies, args.demand_bound, args.cobatch)
-    if args.card:
-        accelerator(args.card, "--card")     # a card that is not there is refused, used or not
+    card = accelerator(args.card, "--card") if args.card else None   # refused now, used or not
     config, folder = load_config(args.model)
     weights = check_weights(folder) if folder else []
     trace, prompt, gen, arrivals, cap, dropped, truncated = requests_of(args, config)
     slo = goodput_slo(args.goodput)
     check_scheduling(args.max_batch, args.max_num_batched_tokens, args.concurrency)
     device, free = torch_device(args.device)
+    if args.dtype == "auto":
+        args.dtype = DTYPE_SPELLINGS[auto_dtype(card and card.dtype, device == "cpu")]
+        if args.dtype not in DTYPES:
+            raise BadArgument(f"--dtype auto: card {args.card} is of {args.dtype}, which the "
+                              f"engine does not run (one of {', '.join(DTYPES)})")
     backend = attention_backend(device, None if args.attention == "auto" else args.attention)
     use_graphs(args.cuda_graphs, device, backend)
     bpt = kv_bytes_per_token(config, args.dtype)
@@ -365,8 +370,9 @@ def _cmd(args) -> int:
 def register(subparsers) -> None:
     from odma_cli import argtypes
 
-    from allocator.serving.options import (add_goodput_argument, add_length_caps,
-                                           add_scheduling_arguments, dtype_argument)
+    from allocator.serving.options import (AUTO_DTYPE, add_goodput_argument, add_length_caps,
+                                           add_preset_argument, add_scheduling_arguments,
+                                           dtype_argument)
 
     p = subparsers.add_parser(
         "engine", help="serve a trace with a real transformer whose KV lives in allocator blocks",
@@ -385,10 +391,9 @@ def register(subparsers) -> None:
     p.add_argument("--model", default="tiny-qwen2", metavar="CONFIG",
                    help=f"a config.json, a directory with config.json (and safetensors weights), "
                         f"or one of {', '.join(shipped_configs())} (default tiny-qwen2)")
-    p.add_argument("--dtype", default="float32", type=dtype_argument(DTYPES),
-                   metavar="{float32,fp32,bfloat16,bf16}",
-                   help="weight and KV type (default float32, what a CPU runs; simulate's "
-                        "default is bf16)")
+    p.add_argument("--dtype", default="auto", type=dtype_argument(DTYPES),
+                   metavar="{auto,float32,fp32,bfloat16,bf16}",
+                   help=f"weight and KV type (default auto, simulate's rule: {AUTO_DTYPE})")
     p.add_argument("--device", default="torch:cpu", metavar="torch:DEV",
                    help="the torch device (default torch:cpu)")
     p.add_argument("--policy", default="odma,static,paged", metavar="P[,P...]",
@@ -433,5 +438,6 @@ def register(subparsers) -> None:
                         "(auto: on a CUDA device with the triton kernels; off to compare); for "
                         "--policy hf, transformers' own CUDA graphs (auto: its choice)")
     add_goodput_argument(p)
+    add_preset_argument(p)
     p.add_argument("--json", action="store_true", help=f"print one JSON object ({SCHEMA})")
     p.set_defaults(func=_cmd)

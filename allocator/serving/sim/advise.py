@@ -27,11 +27,12 @@ from odma_hw.probe.runs import FULL_SPEED, KVRun, judge_run, knee, size_text
 
 from allocator.policies import policy as policy_spec
 from allocator.serving.cards.presets import (DEFAULT_CARD, DEFAULT_MODEL, DTYPE_BYTES, accelerator,
-                                             model_spec)
+                                             auto_dtype, model_spec)
 from allocator.serving.core.metrics import parse_goodput
 from allocator.serving.core.requests import fit_lengths
-from allocator.serving.options import (add_card_argument, add_length_caps, cap_lengths, card_emu,
-                                       cards_of, dtype_argument, parse_policies)
+from allocator.serving.options import (add_card_argument, add_length_caps,
+                                       add_preset_argument, cap_lengths, card_emu, cards_of,
+                                       dtype_argument, parse_policies)
 from allocator.serving.sim.replica import PAGED_LAYOUTS, ServingSetup
 from allocator.serving.sim.simulation import simulate
 from allocator.serving.sim.timing import make_timing
@@ -275,7 +276,7 @@ def run_searches(trace, cards, policies, settings, slo, jobs: int, progress,
 
 def advise(trace, model=DEFAULT_MODEL, devices=(DEFAULT_CARD,),
            policies=tuple(DEFAULT_POLICIES.split(",")), slo=None, *, requests=DEFAULT_REQUESTS,
-           dtype="bf16", max_model_len=None, clip=False, max_batch=256, kv_pool_gb=None,
+           dtype="auto", max_model_len=None, clip=False, max_batch=256, kv_pool_gb=None,
            max_num_batched_tokens=None, page_tokens=16, paged_layout="hnd",
            prompt_cap=None, output_cap=None, jobs=1, progress=False, same_loads=False) -> dict:
     """The JSON object of `odma-hw advise` (schema SCHEMA): per card its memory verdict, KV
@@ -296,7 +297,9 @@ def advise(trace, model=DEFAULT_MODEL, devices=(DEFAULT_CARD,),
     cards = []
     for card in devices:
         rows = [found[(card, p)] for p in policies]
-        cards.append({"card": accelerator(card).name, "device": card,
+        dev = accelerator(card)
+        cards.append({"card": dev.name, "device": card,
+                      "dtype": dtype if dtype != "auto" else auto_dtype(dev.dtype),
                       "memory": verdicts[card],
                       "kv_capacity": kv_capacity(tr, settings,
                                                  [r["at_load"] for r in rows]),
@@ -322,7 +325,7 @@ def format_card(doc: dict, card: dict) -> list[str]:
     """One card's page: verdict, capacity, every policy at its goodput load, the advice."""
     mem, cap = card["memory"], card["kv_capacity"]
     k = mem["knee_bytes"]
-    out = [f"== {card['card']}: {doc['model']} {doc['dtype']} (timing {mem['timing_source']})",
+    out = [f"== {card['card']}: {doc['model']} {card['dtype']} (timing {mem['timing_source']})",
            f"memory: {mem['summary']}" + (f"; knee {size_text(k)}" if k else "; no knee"),
            f"KV capacity: {cap['pool_gb']:.2f} GB pool = {cap['pool_tokens']:,} tokens = "
            f"{cap['requests']:,} requests of this trace's mean {cap['mean_request_tokens']:.0f} "
@@ -439,9 +442,9 @@ def register(subparsers) -> None:
     p.add_argument("--slo", type=parse_slo, default=None, metavar="KEY:MS[,KEY:MS]",
                    help=f"the p99 bounds a load must meet, in ms, among ttft, tpot, e2el "
                         f"(default {DEFAULT_SLO})")
-    p.add_argument("--dtype", default="bf16", type=dtype_argument(DTYPE_BYTES),
-                   metavar="{bf16,bfloat16,int8,fp32,float32}",
-                   help="weight type, as simulate takes it (default bf16)")
+    p.add_argument("--dtype", default="auto", type=dtype_argument(DTYPE_BYTES),
+                   metavar="{auto,bf16,bfloat16,int8,fp32,float32}",
+                   help="weight type, as simulate takes it (default auto: the card's, else bf16)")
     p.add_argument("--kv-pool-gb", type=argtypes.positive_float, default=None, metavar="GB",
                    help="KV pool per card, GB of 1e9 B (default: what the weights leave of 0.9 "
                         "of the card)")
@@ -458,6 +461,7 @@ def register(subparsers) -> None:
                    help="paged KV layout: v06, hnd (default), nhd (vLLM v1)")
     p.add_argument("--page-tokens", type=argtypes.positive_int, default=16,
                    help="tokens per page of the paged policy (default 16)")
+    add_preset_argument(p)
     p.add_argument("--jobs", type=argtypes.positive_int, default=default_jobs(),
                    help="processes running the searches (default: this machine's CPUs; the "
                         "results do not depend on it)")

@@ -23,16 +23,17 @@ from allocator.config import AllocatorConfig
 from allocator.policies import POLICIES
 from allocator.replay import add_policy_arguments
 from allocator.serving.cards.presets import (DEFAULT_MODEL, DTYPE_BYTES, MODELS, MODEL_ALIASES,
-                                             accelerator, card_names, model_spec)
+                                             accelerator, auto_dtype, card_names, model_spec)
 from allocator.serving.cards.profiles import engine_profile as load_engine_profile
 from allocator.serving.cards.profiles import profile_names
 from allocator.serving.core.checks import check_scheduling
 from allocator.serving.core.metrics import SIMULATE_METRICS
 from allocator.serving.core.requests import fit_lengths
 from allocator.serving.models import shipped_configs
-from allocator.serving.options import (SERVING_OPTION_UNITS, add_card_argument,
+from allocator.serving.options import (AUTO_DTYPE, SERVING_OPTION_UNITS, add_card_argument,
                                        add_goodput_argument, add_length_caps,
-                                       add_scheduling_arguments, cap_lengths, card_emu, cards_of,
+                                       add_preset_argument, add_scheduling_arguments,
+                                       cap_lengths, card_emu, cards_of,
                                        check_options_used, dtype_argument, goodput_slo,
                                        parse_policies)
 from allocator.serving.sim.replica import PAGED_LAYOUTS, SCHEDULES, PrefixSettings
@@ -46,11 +47,11 @@ EVICTIONS = ("lru", "fifo", "random")
 SCHEMA = "odma-hw.simulate/1"
 LIST_SCHEMA = "odma-hw.simulate-list/1"
 DEFAULT_POLICIES = "odma,static,paged"
-# the defaults are the ODMA paper's setting; a GPU user's vLLM v1 is one line away
-VLLM_V1 = "--card h100-sxm --layout nhd --max-num-batched-tokens 8192 --max-batch 1024"
-DEFAULTS_NOTE = (f"The defaults are the ODMA paper's: an MLU370-X4, DeepSeek-R1-Distill-Qwen-7B, "
-                 f"vllm-mlu's head-major pages (hnd), whole prompts first, 256 requests at most; "
-                 f"vLLM v1's own on an H100 (its OpenAI server) are: {VLLM_V1}.")
+# the defaults are the ODMA paper's setting; a GPU user's vLLM v1 is one option away
+DEFAULTS_NOTE = ("The defaults are the ODMA paper's: an MLU370-X4, DeepSeek-R1-Distill-Qwen-7B, "
+                 "vllm-mlu's head-major pages (hnd), whole prompts first, 256 requests at most; "
+                 "vLLM v1's own on an H100 (its OpenAI server) are --card h100-sxm "
+                 "--preset vllm-v1.")
 
 
 def compute(args, results: list | None = None, failed: list | None = None,
@@ -240,7 +241,9 @@ def sweep_checks() -> list[ValueCheck]:
                        lambda a: a.engine_profile is None
                        or load_engine_profile(a.engine_profile)),
             ValueCheck("dtype", ("dtype", "card", "device"),
-                       lambda a: [accelerator(c).peak_tflops(a.dtype) for c in cards_of(a)]),
+                       lambda a: [accelerator(c).peak_tflops(a.dtype if a.dtype != "auto" else
+                                                             auto_dtype(accelerator(c).dtype))
+                                  for c in cards_of(a)]),
             ValueCheck("scheduling", ("max_batch", "max_num_batched_tokens", "concurrency",
                                       "replicas"), scheduling),
             ValueCheck("timing", ("timing", "card", "device", "channels", "interleave"),
@@ -276,6 +279,7 @@ def register(subparsers) -> None:
     _add_serving_arguments(p)
     _add_prefix_cache_arguments(p)
     add_goodput_argument(p)
+    add_preset_argument(p)
     p.add_argument("--json", action="store_true",
                    help=f"print one JSON object ({SCHEMA}; with --list {LIST_SCHEMA})")
     p.add_argument("--series", action="store_true", help="with --json: include time series")
@@ -290,11 +294,11 @@ def _add_model_and_card_arguments(p) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL, metavar="MODEL",
                    help=f"a preset ({', '.join(list(MODELS) + list(MODEL_ALIASES))}), a Hugging "
                         f"Face config.json or a directory holding one (default {DEFAULT_MODEL})")
-    p.add_argument("--dtype", default="bf16", type=dtype_argument(DTYPE_BYTES),
-                   metavar="{bf16,bfloat16,int8,fp32,float32}",
-                   help="weight type (default bf16; the engine's default is float32, its CPU "
-                        "runs); KV stays bf16, but fp32 serves fp32 KV (as odma-hw's engine on "
-                        "CPU); int8 and fp32 need the card's tops_int8 / tflops_fp32")
+    p.add_argument("--dtype", default="auto", type=dtype_argument(DTYPE_BYTES),
+                   metavar="{auto,bf16,bfloat16,int8,fp32,float32}",
+                   help="weight type; KV stays bf16, but fp32 serves fp32 KV (as odma-hw's "
+                        "engine on CPU); int8 and fp32 need the card's tops_int8 / tflops_fp32 "
+                        f"(default auto, the engine's rule: {AUTO_DTYPE})")
     add_card_argument(p, "each simulated in turn (a table each; rows told apart by "
                          "settings.device in the JSON)")
     p.add_argument("--engine-profile", default=None, metavar="NAME|FILE",

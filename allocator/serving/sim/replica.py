@@ -23,7 +23,7 @@ from odma_cli.errors import BadArgument
 from allocator.config import AllocatorConfig
 from allocator.policies import make_allocator
 from allocator.policies import policy as policy_spec
-from allocator.serving.cards.presets import DTYPE_BYTES, Accelerator, ModelSpec
+from allocator.serving.cards.presets import DTYPE_BYTES, Accelerator, ModelSpec, auto_dtype
 from allocator.serving.core.build import SchedulingOptions, build_scheduler
 from allocator.serving.core.checks import check_scheduling
 from allocator.serving.core.drive import drive
@@ -44,7 +44,7 @@ class ServingSetup:
     model: ModelSpec
     device: Accelerator
     timing: object                  # a MemoryTiming
-    dtype: str = "bf16"
+    dtype: str = "auto"             # the card's (cards.presets.auto_dtype), else named
     tp: int = 1
     max_model_len: int = 0          # set by the caller (static blocks are this long)
     max_batch: int = 256
@@ -70,6 +70,8 @@ class ServingSetup:
         if self.paged_layout not in PAGED_LAYOUTS:
             raise BadArgument(f"unknown paged layout {self.paged_layout!r}: expected one of "
                               f"{', '.join(PAGED_LAYOUTS)}")
+        if self.dtype == "auto":
+            self.dtype = auto_dtype(self.device.dtype)
         if self.dtype not in DTYPE_BYTES:
             raise BadArgument(f"unknown dtype {self.dtype!r}: expected one of "
                               f"{', '.join(DTYPE_BYTES)}")

@@ -28,7 +28,7 @@ DEFAULT_MFU = 0.5                       # prefill compute efficiency where the c
 
 def simulate(trace, policies=("odma", "static", "paged"), rates=(None,), *,
              model=DEFAULT_MODEL, device=DEFAULT_CARD, timing=None,
-             emu: EmuSettings | None = None, dtype="bf16", tp=1, replicas=1, requests=None,
+             emu: EmuSettings | None = None, dtype="auto", tp=1, replicas=1, requests=None,
              max_model_len=None, clip=False, time_scale=1.0, seed=0, config=None,
              prefix: PrefixSettings | None = None, progress=False, results: list | None = None,
              failed: list | None = None, check_only=False, engine_profile=None,
