@@ -216,14 +216,36 @@ def test_cap_lengths_leaves_the_trace_given_as_it_was():
 
 
 # ------------------------------------------------------------------------------ the engine
-@pytest.mark.parametrize("gb, mb, expected", [(None, None, 64_000_000), (0.5, None, 500_000_000),
-                                              (None, 0.5, 500_000), (1e-3, None, 1_000_000)])
+@pytest.mark.parametrize("gb, mb, expected", [(0.5, None, 500_000_000), (None, 0.5, 500_000),
+                                              (1e-3, None, 1_000_000)])
 def test_the_engine_pool_in_gb_with_mb_as_its_alias(gb, mb, expected):
-    pool, option = engine_cli.kv_pool(types.SimpleNamespace(kv_pool_gb=gb, kv_pool_mb=mb))
+    args = types.SimpleNamespace(kv_pool_gb=gb, kv_pool_mb=mb, memory_utilization=0.9)
+    pool, option = engine_cli.kv_pool(args, 10**9, "card x", 10**8)
     assert pool == expected
     assert option.startswith("--kv-pool-mb" if mb is not None else "--kv-pool-gb")
     with pytest.raises(BadArgument, match="alias"):
         engine_cli.kv_pool(types.SimpleNamespace(kv_pool_gb=1.0, kv_pool_mb=1.0))
+
+
+def test_the_engines_default_pool_is_simulates_rule_on_the_card_or_the_device():
+    """What the weights leave of --memory-utilization of --card's capacity (at most the
+    device's free memory), else of the device's free memory, never below nothing."""
+    from allocator.serving.cards.presets import accelerator
+
+    args = types.SimpleNamespace(kv_pool_gb=None, kv_pool_mb=None, memory_utilization=0.5)
+    card = accelerator("a100-80gb")                                   # 80 GB
+    assert engine_cli.pool_room(card, 200 * 10**9, "torch:cuda:0") == (80 * 10**9,
+                                                                         "card a100-80gb")
+    assert engine_cli.pool_room(card, 20 * 10**9, "torch:cpu")[0] == 20 * 10**9
+    assert engine_cli.pool_room(None, 7, "torch:cpu") == (7, "torch:cpu's free memory")
+    pool, how = engine_cli.kv_pool(args, 10 * 10**9, "card x", 10**9)
+    assert pool == 4 * 10**9 and "0.5 of card x" in how
+    assert engine_cli.kv_pool(args, 10**9, "card x", 10**9)[0] == 0
+    with pytest.raises(BadArgument, match="unknown: give --kv-pool-gb"):
+        engine_cli.kv_pool(args, None, "torch:x")
+    with pytest.raises(BadArgument, match="memory-utilization"):
+        engine_cli.kv_pool(types.SimpleNamespace(kv_pool_gb=None, kv_pool_mb=None,
+                                                 memory_utilization=1.5), 10, "card x")
 
 
 def test_the_engine_parser_takes_the_shared_options():

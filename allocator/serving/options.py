@@ -244,6 +244,14 @@ def add_length_caps(p) -> None:
                    help="make at most N tokens per request")
 
 
+def add_memory_utilization_argument(p) -> None:
+    """--memory-utilization: simulate's and the engine's, the share of the card (or device)
+    that weights and KV may take, vLLM's gpu_memory_utilization."""
+    p.add_argument("--memory-utilization", type=argtypes.positive_float, default=0.9,
+                   help="share of the card's memory for weights + KV, whose rest the default "
+                        "KV pool is (vLLM's gpu_memory_utilization; default 0.9)")
+
+
 def add_goodput_argument(p) -> None:
     """--goodput KEY:MS ...: simulate's and the engine's, as vllm bench serve --goodput."""
     p.add_argument("--goodput", type=goodput_item, nargs="+", default=None,

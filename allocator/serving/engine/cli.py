@@ -66,8 +66,14 @@ def prepare(args):
     backend = attention_backend(device, None if args.attention == "auto" else args.attention)
     use_graphs(args.cuda_graphs, device, backend)
     bpt = kv_bytes_per_token(config, args.dtype)
-    pool, pool_option = kv_pool(args)
+    spec = model_from_config(config_path(args.model)[0])
+    held = {"weights": spec.params * DTYPES[args.dtype],
+            "weight files read": sum(f.stat().st_size for f in weights)}
+    pool, pool_option = kv_pool(args, *pool_room(card, free, f"torch:{device}"),
+                                sum(held.values()))
     pooled = [policy for policy in policies if policy != "hf"]    # hf sizes its own cache
+    check_memory({"weights": held["weights"], "KV pool": pool if pooled else 0,
+                  "weight files read": held["weight files read"]}, free, f"torch:{device}")
     if pooled and pool < cap * bpt:
         raise BadArgument(f"{pool_option} holds {pool // bpt} tokens of KV, "
                           f"less than one {cap}-token request ({bpt} B per token)")
@@ -78,10 +84,6 @@ def prepare(args):
         knee = card_knee(args.card, unit, cap)
     alloc_config = AllocatorConfig(background_refresh=False, extent_knee_tokens=knee,
                                    demand_bound=args.demand_bound)
-    spec = model_from_config(config_path(args.model)[0])
-    check_memory({"weights": spec.params * DTYPES[args.dtype], "KV pool": pool if pooled else 0,
-                  "weight files read": sum(f.stat().st_size for f in weights)},
-                 free, f"torch:{device}")
     for policy in pooled:       # its pages, buckets or regions hold one request, or refused now
         try:
             check_pool(policy, pool, bpt, cap, alloc_config, args.page_tokens)
@@ -132,20 +134,35 @@ def torch_device(spec: str) -> tuple[str, int]:
             dev.close()
 
 
-DEFAULT_KV_POOL_GB = 0.064      # 64 MB: a CPU has no card capacity to take a share of
+def pool_room(card, free: int | None, device: str) -> tuple[int | None, str]:
+    """(bytes, what they are) of the memory the default pool takes its share of, as simulate
+    does of its card: --card's capacity, at most what the device it runs on has free; without
+    a card, the device's free memory (None: unknown)."""
+    if card is not None and (free is None or card.capacity_gb * 1e9 <= free):
+        return int(card.capacity_gb * 1e9), f"card {card.name}"
+    return free, f"{device}'s free memory"
 
 
-def kv_pool(args) -> tuple[int, str]:
-    """(bytes, the option as given) of the KV pool: --kv-pool-gb, or its alias --kv-pool-mb,
-    else DEFAULT_KV_POOL_GB; both given is refused."""
+def kv_pool(args, room: int | None = None, what: str = "the device", held: int = 0
+            ) -> tuple[int, str]:
+    """(bytes, how it was set) of the KV pool: --kv-pool-gb, or its alias --kv-pool-mb (both
+    given is refused), else simulate's rule: what `held` (the weights) leaves of
+    --memory-utilization of `room` bytes (pool_room())."""
     gb, mb = getattr(args, "kv_pool_gb", None), getattr(args, "kv_pool_mb", None)
     if gb is not None and mb is not None:
         raise BadArgument("--kv-pool-mb is an alias of --kv-pool-gb (in MB): give one of them")
     if mb is not None:
         return int(round(mb * 1e6)), f"--kv-pool-mb {mb:g}"
-    if gb is None:
-        gb = DEFAULT_KV_POOL_GB
-    return int(round(gb * 1e9)), f"--kv-pool-gb {gb:g}"
+    if gb is not None:
+        return int(round(gb * 1e9)), f"--kv-pool-gb {gb:g}"
+    share = args.memory_utilization
+    if not 0 < share <= 1:
+        raise BadArgument(f"--memory-utilization must be in (0, 1], got {share:g}")
+    if room is None:
+        raise BadArgument(f"the free memory of {what} is unknown: give --kv-pool-gb")
+    pool = max(0, int(share * room - held))
+    return pool, (f"the default pool ({share:g} of {what}, {room / 1e9:.3g} GB, less the "
+                  f"weights: {pool / 1e9:.3g} GB)")
 
 
 def card_knee(card: str, run_unit_bytes: int, max_tokens: int) -> int:
@@ -371,6 +388,7 @@ def register(subparsers) -> None:
     from odma_cli import argtypes
 
     from allocator.serving.options import (AUTO_DTYPE, add_goodput_argument, add_length_caps,
+                                           add_memory_utilization_argument,
                                            add_preset_argument, add_scheduling_arguments,
                                            dtype_argument)
 
@@ -408,14 +426,15 @@ def register(subparsers) -> None:
     p.add_argument("--extent-knee-tokens", type=argtypes.positive_int, default=None,
                    metavar="N", help="extent and elastic's knee in tokens (overrides --card)")
     p.add_argument("--predictor", default="online", help="ODMA's length predictor")
-    p.add_argument("--max-batch", type=argtypes.positive_int, default=32,
-                   help="running requests at most (vLLM max_num_seqs; default 32, a CPU's "
-                        "batch: simulate's default is vLLM's 256)")
+    p.add_argument("--max-batch", type=argtypes.positive_int, default=256,
+                   help="running requests at most (vLLM max_num_seqs, default 256, as simulate's)")
     add_scheduling_arguments(p)
+    add_memory_utilization_argument(p)
     p.add_argument("--kv-pool-gb", type=argtypes.positive_float, default=None, metavar="GB",
-                   help=f"KV pool in GB of 1e9 B (default {DEFAULT_KV_POOL_GB:g}: a CPU has no "
-                        f"card capacity to take a share of, as simulate's default does; small "
-                        f"forces preemption)")
+                   help="KV pool in GB of 1e9 B (default, simulate's rule: what the weights "
+                        "leave of --memory-utilization of --card's capacity, at most of the "
+                        "device's free memory; without --card, of the device's free memory; "
+                        "small forces preemption)")
     p.add_argument("--kv-pool-mb", type=argtypes.positive_float, default=None, metavar="MB",
                    help="alias of --kv-pool-gb in MB (1e6 B), kept for older command lines")
     p.add_argument("--page-tokens", type=argtypes.positive_int, default=16,

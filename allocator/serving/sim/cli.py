@@ -32,7 +32,8 @@ from allocator.serving.core.requests import fit_lengths
 from allocator.serving.models import shipped_configs
 from allocator.serving.options import (AUTO_DTYPE, SERVING_OPTION_UNITS, add_card_argument,
                                        add_goodput_argument, add_length_caps,
-                                       add_preset_argument, add_scheduling_arguments,
+                                       add_memory_utilization_argument, add_preset_argument,
+                                       add_scheduling_arguments,
                                        cap_lengths, card_emu, cards_of,
                                        check_options_used, dtype_argument, goodput_slo,
                                        parse_policies)
@@ -350,12 +351,10 @@ def _add_serving_arguments(p) -> None:
     p.add_argument("--mfu", type=argtypes.positive_float, default=None,
                    help=f"prefill compute efficiency, in (0, 1] (default: the card's mfu, "
                         f"else {DEFAULT_MFU})")
-    p.add_argument("--memory-utilization", type=argtypes.positive_float, default=0.9,
-                   help="share of card memory for weights + KV (default 0.9)")
+    add_memory_utilization_argument(p)
     p.add_argument("--kv-pool-gb", type=argtypes.positive_float, default=None, metavar="GB",
                    help="KV pool per card in GB of 1e9 B (default: what the weights leave of "
-                        "--memory-utilization of the card; the engine's default is 0.064, "
-                        "as a CPU has no card capacity)")
+                        "--memory-utilization of the card, the engine's rule too)")
 
 
 def _add_prefix_cache_arguments(p) -> None:
