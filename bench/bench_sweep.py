@@ -31,6 +31,7 @@ from pathlib import Path
 import pytest
 
 from odma_cli import sweep
+from odma_cli.argtypes import parse_line
 
 REPO = Path(__file__).resolve().parents[1]
 GRID_24 = REPO / "bench" / "grids" / "emulate-24.toml"
@@ -46,7 +47,7 @@ def serial_loop(grid_path) -> float:
     parser = sweep.command_parser(the_plan.module, the_plan.grid.command)
     t0 = time.perf_counter()
     for cell in the_plan.cells:
-        module.compute(parser.parse_args(list(cell.argv[1:])))
+        module.compute(parse_line(parser, list(cell.argv[1:])))
     return time.perf_counter() - t0
 
 

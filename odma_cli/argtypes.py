@@ -7,6 +7,15 @@ import argparse
 import math
 
 
+def parse_line(parser, argv: list, at: int = 0) -> argparse.Namespace:
+    """parser.parse_args(argv), where a parsed `preset` carrying `flags` (other options, as
+    --preset gives them) is read as if its flags stood at argv[at] (after a command's name):
+    every flag of the line's own still wins. The command line and a sweep's cells read alike."""
+    args = parser.parse_args(argv)
+    flags = getattr(getattr(args, "preset", None), "flags", ())
+    return parser.parse_args([*argv[:at], *flags, *argv[at:]]) if flags else args
+
+
 def _number(text: str, kind):
     try:
         return kind(text)

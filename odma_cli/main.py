@@ -15,6 +15,7 @@ import os
 import sys
 
 from odma_cli import __version__
+from odma_cli.argtypes import parse_line
 from odma_cli.commands import by_module
 from odma_cli.errors import BadArgument, DeviceError, DeviceUnavailable, OdmaError
 
@@ -98,16 +99,11 @@ def _discard_stdout() -> None:
 
 
 def parse(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
-    """(the parser, the parsed line). A command's --preset (a name whose `flags` are other
-    options) is read as if its flags came first after the command, so the line's own win."""
+    """(the parser, the parsed line); a command's --preset reads as its flags placed right
+    after the command's name (argtypes.parse_line), so the line's own win."""
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = parser.parse_args(argv)
-    flags = getattr(getattr(args, "preset", None), "flags", ())
-    if flags:
-        at = argv.index(args.command) + 1
-        args = parser.parse_args(argv[:at] + list(flags) + argv[at:])
-    return parser, args
+    return parser, parse_line(parser, argv, at=1)
 
 
 def _run(argv: list[str] | None) -> int:

@@ -1051,3 +1051,25 @@ def test_more_ctrl_c_while_ray_shuts_down_print_no_traceback(tmp_path):
     # 130, or killed by the last SIGINT once the interpreter had let go of its handler
     assert proc.returncode in (130, -signal.SIGINT), err
     assert [r["status"] for r in read_log(log)][:1] == ["ok"]
+
+
+def test_a_cells_preset_reads_as_on_the_command_line(tmp_path):
+    """A grid's preset gives each cell its flags, and the cell's own options still win, as
+    `odma-hw simulate --preset ...` reads them (planning parses every cell)."""
+    pytest.importorskip("numba")
+    (tmp_path / "t.csv").write_text("num_prefill_tokens,num_decode_tokens\n20,4\n")
+    grid = sweep.load_grid(write_grid(tmp_path / "g.toml", f"""
+        command = "simulate"
+        [fixed]
+        trace = "{tmp_path / 't.csv'}"
+        preset = "vllm-v1"
+        [axes]
+        max_batch = [64, 2048]
+        """))
+    from odma_cli.argtypes import parse_line
+
+    plan = sweep.plan(grid)
+    parsed = [vars(parse_line(sweep.command_parser(plan.module, "simulate"), list(c.argv[1:])))
+              for c in plan.cells]
+    assert [(a["layout"], a["max_num_batched_tokens"], a["max_batch"]) for a in parsed] == [
+        ("nhd", 8192, 64), ("nhd", 8192, 2048)]

@@ -15,6 +15,7 @@ import math
 import shlex
 from dataclasses import dataclass, field
 
+from odma_cli.argtypes import parse_line
 from odma_cli.commands import ValueCheck, registry
 from odma_cli.errors import BadArgument, DeviceUnavailable
 from odma_cli.sweep.grid import Grid, cell_argv, command_parser, value_checks, value_text
@@ -178,7 +179,7 @@ class Cells(collections.abc.Sequence):
     def _parse(self, parser, i: int) -> dict | None:
         """Cell i's parsed arguments, or None with its refusal recorded."""
         try:
-            return vars(parser.parse_args(self.argv_at(i)))
+            return vars(parse_line(parser, self.argv_at(i)))
         except BadArgument as exc:
             self._failures.append((i, 1, 0, str(exc)))
             return None

@@ -30,6 +30,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+from odma_cli.argtypes import parse_line
 from odma_cli.errors import BadArgument, OdmaError
 from odma_cli.sweep.cells import Plan
 from odma_cli.sweep.grid import INSTALL_HINT, command_parser, uses_numba
@@ -82,7 +83,7 @@ def run_cell(module: str, argv: list, cwd: str | None, numba_threads: int | None
 
             numba.set_num_threads(min(numba_threads, numba.config.NUMBA_NUM_THREADS))
         t0 = time.perf_counter()
-        args = command_parser(module, argv[0]).parse_args(list(argv[1:]))
+        args = parse_line(command_parser(module, argv[0]), list(argv[1:]))
         result["rows"] = output_rows(importlib.import_module(module).compute(args))
     except Exception as exc:
         result.update(status="failed", error=one_line(exc))
