@@ -147,9 +147,9 @@ class ServingSetup:
             return int(self.kv_pool_gb * 1e9)
         if free < self.max_model_len * self.kv_bytes_per_token:
             raise BadArgument(
-                f"{self.model.name} ({self.dtype}) leaves {max(free, 0) / 1e9:.2f} GB per "
-                f"{self.device.name} card at TP{self.tp}: not enough KV for one "
-                f"{self.max_model_len}-token request")
+                f"{self.model.name} ({self.dtype}) leaves {max(free, 0) / 1e9:.2f} GB of "
+                f"--memory-utilization {self.memory_utilization:g} of card {self.device.name} "
+                f"at TP{self.tp}: not enough KV for one {self.max_model_len}-token request")
         return int(free)
 
     def run_layout(self, layout: str):
