@@ -102,8 +102,14 @@ def parse_policies(text: str, extra: tuple = ()) -> list[str]:
 SERVING_OPTION_UNITS = {"rate": "req/s", "page-tokens": "tokens", "max-model-len": "tokens",
                         "max-num-batched-tokens": "tokens", "prompt-cap": "tokens",
                         "output-cap": "tokens", "concurrency": "requests"}
-AUTO_DTYPE = ("the type the card was calibrated at (calibrate writes it), else float32 on a "
-              "CPU, bf16 on a GPU or MLU")
+def add_dtype_argument(p, names, what: str) -> None:
+    """--dtype among `names` (the command's own spellings, either of each accepted), default
+    auto (cards.presets.auto_dtype): simulate's, advise's and the engine's."""
+    spellings = [s for n in names for s in dict.fromkeys((n, DTYPE_SPELLINGS.get(n, n)))]
+    p.add_argument("--dtype", default="auto", type=dtype_argument(names),
+                   metavar="{" + ",".join(["auto", *spellings]) + "}",
+                   help=f"{what} (default auto: the type the card was calibrated at, which "
+                        f"calibrate writes into it, else float32 on a CPU, bf16 on a GPU or MLU)")
 
 
 def dtype_argument(names):
@@ -264,6 +270,8 @@ def add_goodput_argument(p) -> None:
 
 def add_scheduling_arguments(p) -> None:
     """How steps are filled and requests sent: simulate's and the engine's."""
+    p.add_argument("--max-batch", type=argtypes.positive_int, default=256,
+                   help="running requests at most (vLLM max_num_seqs, default 256)")
     p.add_argument("--max-num-batched-tokens", type=argtypes.positive_int, default=None,
                    metavar="N",
                    help="chunked prefill (vLLM v1's default): at most N tokens per step, one "

@@ -27,10 +27,12 @@ DTYPE_SPELLINGS = {"fp32": "float32", "float32": "fp32", "bf16": "bfloat16", "bf
                    "fp16": "float16", "float16": "fp16", "int8": "int8"}
 
 
-def auto_dtype(card_dtype: str | None, on_cpu: bool = False) -> str:
-    """--dtype auto, one rule for simulate and the engine (in simulate's spelling): the type a
-    card's figures were measured at (calibrate writes it), else float32 on a CPU (the engine's
-    own there: bf16 matmuls are an extension some CPUs lack), else bf16."""
+def auto_dtype(dtype: str, card_dtype: str | None, on_cpu: bool = False) -> str:
+    """`dtype`, or where it is auto the one rule of simulate and the engine (in simulate's
+    spelling): the type a card's figures were measured at (calibrate writes it), else float32
+    on a CPU (the engine's own there: bf16 matmuls are an extension some CPUs lack), else bf16."""
+    if dtype != "auto":
+        return dtype
     return card_dtype or ("fp32" if on_cpu else "bf16")
 
 

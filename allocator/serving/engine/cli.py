@@ -59,7 +59,7 @@ def prepare(args):
     check_scheduling(args.max_batch, args.max_num_batched_tokens, args.concurrency)
     device, free = torch_device(args.device)
     if args.dtype == "auto":
-        args.dtype = DTYPE_SPELLINGS[auto_dtype(card and card.dtype, device == "cpu")]
+        args.dtype = DTYPE_SPELLINGS[auto_dtype("auto", card and card.dtype, device == "cpu")]
         if args.dtype not in DTYPES:
             raise BadArgument(f"--dtype auto: card {args.card} is of {args.dtype}, which the "
                               f"engine does not run (one of {', '.join(DTYPES)})")
@@ -78,10 +78,10 @@ def prepare(args):
         raise BadArgument(f"{pool_option} holds {pool // bpt} tokens of KV, "
                           f"less than one {cap}-token request ({bpt} B per token)")
     knee = args.extent_knee_tokens
-    if knee is None and args.card and any(policy_spec(p).knee for p in pooled):
+    if knee is None and card is not None and any(policy_spec(p).knee for p in pooled):
         # a (layer, K/V, head) run holds head_dim elements per token
         unit = bpt // (2 * config.num_hidden_layers * config.num_key_value_heads)
-        knee = card_knee(args.card, unit, cap)
+        knee = card_knee(card, unit, cap)
     alloc_config = AllocatorConfig(background_refresh=False, extent_knee_tokens=knee,
                                    demand_bound=args.demand_bound)
     for policy in pooled:       # its pages, buckets or regions hold one request, or refused now
@@ -165,16 +165,16 @@ def kv_pool(args, room: int | None = None, what: str = "the device", held: int =
                   f"weights: {pool / 1e9:.3g} GB)")
 
 
-def card_knee(card: str, run_unit_bytes: int, max_tokens: int) -> int:
-    """The extent knee the timing source of `card` (a preset or a card file) gives a
-    (layer, K/V, head) run of run_unit_bytes per token, as simulate derives it."""
+def card_knee(card, run_unit_bytes: int, max_tokens: int) -> int:
+    """The extent knee the timing source of `card` (an Accelerator, a preset's name or a card
+    file) gives a (layer, K/V, head) run of run_unit_bytes per token, as simulate derives it."""
     from allocator.config import AllocatorConfig
-    from allocator.serving.cards.presets import accelerator
+    from allocator.serving.cards.presets import Accelerator, accelerator
     from allocator.serving.options import card_emu
     from allocator.serving.sim.steptime import knee_tokens
     from allocator.serving.sim.timing import make_timing
 
-    dev = accelerator(card, "--card")
+    dev = card if isinstance(card, Accelerator) else accelerator(card, "--card")
     timing = make_timing(dev.timing, dev.bandwidth_gbps, card_emu(dev))
     return knee_tokens(timing, run_unit_bytes, AllocatorConfig.extent_knee_fraction, max_tokens)
 
@@ -387,10 +387,9 @@ def _cmd(args) -> int:
 def register(subparsers) -> None:
     from odma_cli import argtypes
 
-    from allocator.serving.options import (AUTO_DTYPE, add_goodput_argument, add_length_caps,
-                                           add_memory_utilization_argument,
-                                           add_preset_argument, add_scheduling_arguments,
-                                           dtype_argument)
+    from allocator.serving.options import (add_dtype_argument, add_goodput_argument,
+                                           add_length_caps, add_memory_utilization_argument,
+                                           add_preset_argument, add_scheduling_arguments)
 
     p = subparsers.add_parser(
         "engine", help="serve a trace with a real transformer whose KV lives in allocator blocks",
@@ -409,9 +408,7 @@ def register(subparsers) -> None:
     p.add_argument("--model", default="tiny-qwen2", metavar="CONFIG",
                    help=f"a config.json, a directory with config.json (and safetensors weights), "
                         f"or one of {', '.join(shipped_configs())} (default tiny-qwen2)")
-    p.add_argument("--dtype", default="auto", type=dtype_argument(DTYPES),
-                   metavar="{auto,float32,fp32,bfloat16,bf16}",
-                   help=f"weight and KV type (default auto, simulate's rule: {AUTO_DTYPE})")
+    add_dtype_argument(p, DTYPES, "weight and KV type")
     p.add_argument("--device", default="torch:cpu", metavar="torch:DEV",
                    help="the torch device (default torch:cpu)")
     p.add_argument("--policy", default="odma,static,paged", metavar="P[,P...]",
@@ -426,8 +423,6 @@ def register(subparsers) -> None:
     p.add_argument("--extent-knee-tokens", type=argtypes.positive_int, default=None,
                    metavar="N", help="extent and elastic's knee in tokens (overrides --card)")
     p.add_argument("--predictor", default="online", help="ODMA's length predictor")
-    p.add_argument("--max-batch", type=argtypes.positive_int, default=256,
-                   help="running requests at most (vLLM max_num_seqs, default 256, as simulate's)")
     add_scheduling_arguments(p)
     add_memory_utilization_argument(p)
     p.add_argument("--kv-pool-gb", type=argtypes.positive_float, default=None, metavar="GB",

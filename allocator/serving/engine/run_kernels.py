@@ -202,11 +202,10 @@ def prefill_triton(q, pool, runs, q_start, q_len, q_pos, layer, kv_heads, head_d
     return out
 
 
-# The kernels and their helpers below are plain functions, made into Triton functions only on
-# first use (_kernels): triton decides when it wraps a function whether it is compiled or
-# interpreted (TRITON_INTERPRET), so wrapping at import would fix the mode for whoever imported
-# first. Each mode gets its own copies of them, whose globals are a namespace of that mode's
-# (the helpers a kernel calls are looked up there), so the two modes share nothing. Nor do they
+# The kernels and their helpers below are plain functions, made Triton functions on first use
+# (_kernels): triton fixes a function's mode (compiled or interpreted, TRITON_INTERPRET) when
+# it wraps it, so each mode gets its own copies, whose globals (where a kernel finds its
+# helpers) are a namespace of that mode's: the two modes share nothing. Nor do they
 # call triton's library functions (tl.max, tl.sum, tl.cdiv, tl.zeros: @jit functions of
 # triton.language.standard, decorated in whichever mode was in force when triton was first
 # imported, so compiled-mode ones if anything imported triton before TRITON_INTERPRET=1 was
@@ -325,17 +324,10 @@ def _decode_kernel(q_ptr, pool_ptr, run_start_ptr, run_off_ptr, run_cap_ptr, run
     hi = tl.minimum(lo + chunk, ctx)
     r0, r_end = _run_at(run_start_ptr, run_pos_ptr, b, lo)
 
-    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l_i = tl.full([BLOCK_G], 0.0, tl.float32)
-    acc = tl.full([BLOCK_G, BLOCK_D], 0.0, tl.float32)
     head_k = (layer * 2 * KVH + h).to(tl.int64)
-    for p in range(lo, hi, BLOCK_N):
-        pos, valid, krow, vrow, r = _tile_rows(run_pos_ptr, run_off_ptr, run_cap_ptr, p, hi,
-                                               r0, r_end, head_k, KVH, D, BLOCK_N, LOG_N, ALIGN)
-        m_i, l_i, acc = _attend_tile(q, pool_ptr, krow, vrow, valid[:, None] & dmask[None, :],
-                                     valid[None, :], offs_d, m_i, l_i, acc, qk_scale, PREC,
-                                     UPCAST)
-        r0 = _next_run(run_pos_ptr, r, valid, r0, r_end, p, BLOCK_N)
+    m_i, l_i, acc = _attend_span(q, lo, pool_ptr, run_pos_ptr, run_off_ptr, run_cap_ptr, lo, hi,
+                                 r0, r_end, head_k, offs_d, qk_scale, KVH, D, BLOCK_N, LOG_N,
+                                 ALIGN, PREC, UPCAST, False)
 
     if DIRECT:
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -405,17 +397,10 @@ def _prefill_kernel(q_ptr, pool_ptr, run_start_ptr, run_off_ptr, run_cap_ptr, ru
     hi = tl.minimum(ctx, tl.reduce(tl.where(rvalid, qpos + 1, 0), 0, tl.standard._elementwise_max))
     r0 = tl.load(run_start_ptr + b)
     r_end = tl.load(run_start_ptr + b + 1)
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.full([BLOCK_M], 0.0, tl.float32)
-    acc = tl.full([BLOCK_M, BLOCK_D], 0.0, tl.float32)
     head_k = (layer * 2 * KVH + h).to(tl.int64)
-    for p in range(0, hi, BLOCK_N):
-        pos, valid, krow, vrow, r = _tile_rows(run_pos_ptr, run_off_ptr, run_cap_ptr, p, hi,
-                                               r0, r_end, head_k, KVH, D, BLOCK_N, LOG_N, ALIGN)
-        allowed = valid[None, :] & (pos[None, :] <= qpos[:, None])        # causal
-        m_i, l_i, acc = _attend_tile(q, pool_ptr, krow, vrow, valid[:, None] & dmask[None, :],
-                                     allowed, offs_d, m_i, l_i, acc, qk_scale, PREC, UPCAST)
-        r0 = _next_run(run_pos_ptr, r, valid, r0, r_end, p, BLOCK_N)
+    m_i, l_i, acc = _attend_span(q, qpos, pool_ptr, run_pos_ptr, run_off_ptr, run_cap_ptr, 0, hi,
+                                 r0, r_end, head_k, offs_d, qk_scale, KVH, D, BLOCK_N, LOG_N,
+                                 ALIGN, PREC, UPCAST, True)
 
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + qrow[:, None] * so_n + heads[:, None] * so_h + offs_d[None, :] * so_d,
@@ -435,6 +420,32 @@ def _run_at(run_start_ptr, run_pos_ptr, b, lo):
         a = tl.where(go, mid, a)
         z = tl.where(go, z, mid)
     return a, r_end
+
+
+def _attend_span(q, qpos, pool_ptr, run_pos_ptr, run_off_ptr, run_cap_ptr, lo, hi, r0, r_end,
+                 head_k, offs_d, qk_scale, KVH: tl.constexpr, D: tl.constexpr,
+                 BLOCK_N: tl.constexpr, LOG_N: tl.constexpr, ALIGN: tl.constexpr,
+                 PREC: tl.constexpr, UPCAST: tl.constexpr, CAUSAL: tl.constexpr):
+    """(running max, running sum, accumulator) of online softmax of the query rows q over the
+    context positions [lo, hi) of one request and kv head, r0 the run of position lo; CAUSAL:
+    query row i sees the positions up to qpos[i] only (prompt chunks)."""
+    dmask = offs_d < D
+    m_i = tl.full([q.shape[0]], float("-inf"), tl.float32)
+    l_i = tl.full([q.shape[0]], 0.0, tl.float32)
+    acc = tl.full([q.shape[0], q.shape[1]], 0.0, tl.float32)
+    for p in range(lo, hi, BLOCK_N):
+        pos, valid, krow, vrow, r = _tile_rows(run_pos_ptr, run_off_ptr, run_cap_ptr, p, hi,
+                                               r0, r_end, head_k, KVH, D, BLOCK_N, LOG_N, ALIGN)
+        allowed = valid[None, :]
+        if CAUSAL:
+            allowed = allowed & (pos[None, :] <= qpos[:, None])
+        m_i, l_i, acc = _attend_tile(q, pool_ptr, krow, vrow, valid[:, None] & dmask[None, :],
+                                     allowed, offs_d, m_i, l_i, acc, qk_scale, PREC, UPCAST)
+        # the next tile's first run: this tile's last run, or the one after it
+        r_last = tl.reduce(tl.where(valid, r, r0), 0, tl.standard._elementwise_max)
+        nxt = tl.load(run_pos_ptr + r_last + 1, mask=r_last + 1 < r_end, other=0x7FFFFFFF)
+        r0 = r_last + (nxt <= p + BLOCK_N).to(tl.int32)
+    return m_i, l_i, acc
 
 
 def _tile_rows(run_pos_ptr, run_off_ptr, run_cap_ptr, p, hi, r0, r_end, head_k,
@@ -486,11 +497,4 @@ def _attend_tile(q, pool_ptr, krow, vrow, kv_mask, allowed, offs_d, m_i, l_i, ac
     return m_new, l_i, acc
 
 
-def _next_run(run_pos_ptr, r, valid, r0, r_end, p, BLOCK_N: tl.constexpr):
-    """The run of the next tile's first position: this tile's last run, or the one after it."""
-    r_last = tl.reduce(tl.where(valid, r, r0), 0, tl.standard._elementwise_max)
-    nxt = tl.load(run_pos_ptr + r_last + 1, mask=r_last + 1 < r_end, other=0x7FFFFFFF)
-    return r_last + (nxt <= p + BLOCK_N).to(tl.int32)
-
-
-_HELPERS = (_run_at, _tile_rows, _attend_tile, _next_run)
+_HELPERS = (_run_at, _attend_span, _tile_rows, _attend_tile)

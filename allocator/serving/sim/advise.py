@@ -30,9 +30,9 @@ from allocator.serving.cards.presets import (DEFAULT_CARD, DEFAULT_MODEL, DTYPE_
                                              auto_dtype, model_spec)
 from allocator.serving.core.metrics import parse_goodput
 from allocator.serving.core.requests import fit_lengths
-from allocator.serving.options import (add_card_argument, add_length_caps,
+from allocator.serving.options import (add_card_argument, add_dtype_argument, add_length_caps,
                                        add_preset_argument, cap_lengths, card_emu, cards_of,
-                                       dtype_argument, parse_policies)
+                                       parse_policies)
 from allocator.serving.sim.replica import PAGED_LAYOUTS, ServingSetup
 from allocator.serving.sim.simulation import simulate
 from allocator.serving.sim.timing import make_timing
@@ -299,7 +299,7 @@ def advise(trace, model=DEFAULT_MODEL, devices=(DEFAULT_CARD,),
         rows = [found[(card, p)] for p in policies]
         dev = accelerator(card)
         cards.append({"card": dev.name, "device": card,
-                      "dtype": dtype if dtype != "auto" else auto_dtype(dev.dtype),
+                      "dtype": auto_dtype(dtype, dev.dtype),
                       "memory": verdicts[card],
                       "kv_capacity": kv_capacity(tr, settings,
                                                  [r["at_load"] for r in rows]),
@@ -442,9 +442,7 @@ def register(subparsers) -> None:
     p.add_argument("--slo", type=parse_slo, default=None, metavar="KEY:MS[,KEY:MS]",
                    help=f"the p99 bounds a load must meet, in ms, among ttft, tpot, e2el "
                         f"(default {DEFAULT_SLO})")
-    p.add_argument("--dtype", default="auto", type=dtype_argument(DTYPE_BYTES),
-                   metavar="{auto,bf16,bfloat16,int8,fp32,float32}",
-                   help="weight type, as simulate takes it (default auto: the card's, else bf16)")
+    add_dtype_argument(p, DTYPE_BYTES, "weight type, as simulate takes it")
     p.add_argument("--kv-pool-gb", type=argtypes.positive_float, default=None, metavar="GB",
                    help="KV pool per card, GB of 1e9 B (default: what the weights leave of 0.9 "
                         "of the card)")

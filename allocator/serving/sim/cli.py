@@ -30,13 +30,11 @@ from allocator.serving.core.checks import check_scheduling
 from allocator.serving.core.metrics import SIMULATE_METRICS
 from allocator.serving.core.requests import fit_lengths
 from allocator.serving.models import shipped_configs
-from allocator.serving.options import (AUTO_DTYPE, SERVING_OPTION_UNITS, add_card_argument,
-                                       add_goodput_argument, add_length_caps,
+from allocator.serving.options import (SERVING_OPTION_UNITS, add_card_argument,
+                                       add_dtype_argument, add_goodput_argument, add_length_caps,
                                        add_memory_utilization_argument, add_preset_argument,
-                                       add_scheduling_arguments,
-                                       cap_lengths, card_emu, cards_of,
-                                       check_options_used, dtype_argument, goodput_slo,
-                                       parse_policies)
+                                       add_scheduling_arguments, cap_lengths, card_emu, cards_of,
+                                       check_options_used, goodput_slo, parse_policies)
 from allocator.serving.sim.replica import PAGED_LAYOUTS, SCHEDULES, PrefixSettings
 from allocator.serving.sim.report import format_table, plot
 from allocator.serving.sim.simulation import DEFAULT_MFU, simulate
@@ -242,9 +240,8 @@ def sweep_checks() -> list[ValueCheck]:
                        lambda a: a.engine_profile is None
                        or load_engine_profile(a.engine_profile)),
             ValueCheck("dtype", ("dtype", "card", "device"),
-                       lambda a: [accelerator(c).peak_tflops(a.dtype if a.dtype != "auto" else
-                                                             auto_dtype(accelerator(c).dtype))
-                                  for c in cards_of(a)]),
+                       lambda a: [dev.peak_tflops(auto_dtype(a.dtype, dev.dtype))
+                                  for dev in map(accelerator, cards_of(a))]),
             ValueCheck("scheduling", ("max_batch", "max_num_batched_tokens", "concurrency",
                                       "replicas"), scheduling),
             ValueCheck("timing", ("timing", "card", "device", "channels", "interleave"),
@@ -295,11 +292,9 @@ def _add_model_and_card_arguments(p) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL, metavar="MODEL",
                    help=f"a preset ({', '.join(list(MODELS) + list(MODEL_ALIASES))}), a Hugging "
                         f"Face config.json or a directory holding one (default {DEFAULT_MODEL})")
-    p.add_argument("--dtype", default="auto", type=dtype_argument(DTYPE_BYTES),
-                   metavar="{auto,bf16,bfloat16,int8,fp32,float32}",
-                   help="weight type; KV stays bf16, but fp32 serves fp32 KV (as odma-hw's "
-                        "engine on CPU); int8 and fp32 need the card's tops_int8 / tflops_fp32 "
-                        f"(default auto, the engine's rule: {AUTO_DTYPE})")
+    add_dtype_argument(p, DTYPE_BYTES, "weight type; KV stays bf16, but fp32 "
+                       "serves fp32 KV (as odma-hw's engine on CPU); int8 and fp32 need the "
+                       "card's tops_int8 / tflops_fp32")
     add_card_argument(p, "each simulated in turn (a table each; rows told apart by "
                          "settings.device in the JSON)")
     p.add_argument("--engine-profile", default=None, metavar="NAME|FILE",
@@ -345,8 +340,6 @@ def _add_serving_arguments(p) -> None:
                    help="drop prompts longer than --max-model-len and cut generations there, "
                         "instead of refusing the trace")
     add_length_caps(p)
-    p.add_argument("--max-batch", type=argtypes.positive_int, default=256,
-                   help="running requests at most (vLLM max_num_seqs, default 256)")
     add_scheduling_arguments(p)
     p.add_argument("--mfu", type=argtypes.positive_float, default=None,
                    help=f"prefill compute efficiency, in (0, 1] (default: the card's mfu, "

@@ -70,8 +70,7 @@ class ServingSetup:
         if self.paged_layout not in PAGED_LAYOUTS:
             raise BadArgument(f"unknown paged layout {self.paged_layout!r}: expected one of "
                               f"{', '.join(PAGED_LAYOUTS)}")
-        if self.dtype == "auto":
-            self.dtype = auto_dtype(self.device.dtype)
+        self.dtype = auto_dtype(self.dtype, self.device.dtype)
         if self.dtype not in DTYPE_BYTES:
             raise BadArgument(f"unknown dtype {self.dtype!r}: expected one of "
                               f"{', '.join(DTYPE_BYTES)}")
