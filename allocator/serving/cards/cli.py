@@ -72,6 +72,7 @@ def check(args) -> dict:
     from allocator.serving.cards.presets import model_spec
     from allocator.serving.models import DTYPES, check_memory, load_config
 
+    need_torch()                # before the model's config, which transformers reads with torch
     if args.name is not None and (not args.name.strip() or
                                   any(ord(c) < 0x20 or ord(c) == 0x7F for c in args.name)):
         raise BadArgument(f"--name must be a non-empty line of text, got {args.name!r}")

@@ -32,18 +32,20 @@ def prepare(args):
     KV pool bytes, max model length, ...): the config and the weights' headers, the options
     against the policies that use them, the trace against the model, every policy's pool, and
     what the model and the pool take against the device's free memory."""
+    # before the imports below: the run-table attention and serve.py import torch
+    if importlib.util.find_spec("torch") is None:
+        raise DeviceUnavailable("the engine needs torch; pip install 'odma-hw[torch]'")
     from allocator.config import AllocatorConfig
     from allocator.policies import policy as policy_spec
     from allocator.serving.cards.presets import (DTYPE_SPELLINGS, accelerator, auto_dtype,
                                                  model_from_config)
     from allocator.serving.core.checks import check_scheduling
+    from allocator.serving.engine.hf_reference import check_memory_probe
     from allocator.serving.engine.run_attention import attention_backend
     from allocator.serving.engine.serve import use_graphs
     from allocator.serving.options import check_options_used, parse_policies
     from allocator.serving.sim.replica import check_pool
 
-    if importlib.util.find_spec("torch") is None:
-        raise DeviceUnavailable("the engine needs torch; pip install 'odma-hw[torch]'")
     policies = parse_policies(args.policy, extra=("hf",))
     ours = [f for f, on in (("--preemption swap", args.preemption == "swap"),
                             ("--cobatch", args.cobatch)) if on]
@@ -65,6 +67,10 @@ def prepare(args):
                               f"engine does not run (one of {', '.join(DTYPES)})")
     backend = attention_backend(device, None if args.attention == "auto" else args.attention)
     use_graphs(args.cuda_graphs, device, backend)
+    if "hf" in policies:
+        import torch
+
+        check_memory_probe(torch)
     bpt = kv_bytes_per_token(config, args.dtype)
     spec = model_from_config(config_path(args.model)[0])
     held = {"weights": spec.params * DTYPES[args.dtype],

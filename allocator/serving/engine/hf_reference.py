@@ -47,7 +47,7 @@ def _transformers():
     return cb_config, transformers.GenerationConfig
 
 
-def _check_memory_probe(torch) -> None:
+def check_memory_probe(torch) -> None:
     """Without an accelerator, transformers sizes its cache against host memory read with psutil,
     and without psutil it sees none and refuses any cache."""
     accel = torch.cuda.is_available() or \
@@ -111,7 +111,7 @@ def run_hf(model, prompts: list, gen: list, arrivals, *, max_batch: int,
 
     _check_requests(model, prompts, gen, arrivals, max_batch)
     n = len(prompts)
-    _check_memory_probe(torch)
+    check_memory_probe(torch)
 
     reqs = [RequestState(i, int(prompts[i].numel()), int(gen[i]), float(arrivals[i]))
             for i in range(n)]
