@@ -188,6 +188,9 @@ class GatherIndex:
     valid: torch.Tensor      # bool [B, L]
     length: int              # L
     rows: bool = False       # every offset a multiple of head_dim: idx0, layer_stride in rows
+    # the step's K/V of one layer, gathered into the same memory for every layer: a fresh
+    # tensor of tens of MB a layer costs the host its page faults, 3-4x the gather itself
+    out: torch.Tensor | None = dataclasses.field(default=None, repr=False)
 
     @classmethod
     def build(cls, runs: RunTable, kv_heads: int, head_dim: int) -> "GatherIndex":
@@ -252,17 +255,22 @@ class GatherIndex:
 
     def kv(self, pool: torch.Tensor, layer: int, head_dim: int):
         """(K, V), each [B, KVH, L, head_dim] in the pool's dtype; past each context, the
-        values of some real token (finite: weigh them 0)."""
+        values of some real token (finite: weigh them 0). Views of memory that the next call
+        overwrites: use them before asking for another layer's."""
         idx = self.idx0 + self.layer_stride * layer if layer else self.idx0
+        shape = (*idx.shape, head_dim)
+        if self.out is None or self.out.dtype != pool.dtype or self.out.shape != shape:
+            self.out = torch.empty(shape, dtype=pool.dtype, device=pool.device)
+        flat = self.out.view(-1, head_dim)
         # index_select of a flat index: on a CPU a few times faster than indexing with the
         # [B, 2, KVH, L] index itself
         if self.rows:
             rows = pool[:pool.numel() // head_dim * head_dim].view(-1, head_dim)
-            kv = rows.index_select(0, idx.reshape(-1)).view(*idx.shape, head_dim)
+            torch.index_select(rows, 0, idx.reshape(-1), out=flat)
         else:   # elements (rows of an overlapping strided view would copy the whole pool)
             at = idx[..., None] + torch.arange(head_dim, device=pool.device)
-            kv = pool.index_select(0, at.reshape(-1)).view(at.shape)
-        return kv[:, 0], kv[:, 1]                                      # [B, 2, KVH, L, D]
+            torch.index_select(pool, 0, at.reshape(-1), out=flat.view(-1))
+        return self.out[:, 0], self.out[:, 1]                          # [B, 2, KVH, L, D]
 
 
 @dataclasses.dataclass
