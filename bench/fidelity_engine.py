@@ -11,7 +11,7 @@ simulate run of the same command line, only the command's name differs (prefill-
 chunked prefill at --budget tokens per step). The card is the only link between the two (its timing also gives extent and elastic
 their knee in both): nothing is fitted to these runs.
 
-A shared host moves one engine run by 10-20 % from the next, so --rounds N runs every engine
+A shared host moves one engine run by up to 30 % from the next, so --rounds N runs every engine
 command N times, round after round over all of them (a slow spell of the host then falls on
 every row alike), and sets simulate against the median of its row, the rounds' range beside
 it: a difference inside that range is the host's, not the model's.

@@ -46,11 +46,10 @@ def test_a_reader_that_went_away_is_not_an_error():
     assert proc.stderr == ""  # no "Exception ignored ... BrokenPipeError" at interpreter exit
 
 
-# a command line, and the library it cannot run without
-TRACE = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "traces",
-                     "azure_conv_2023.csv")
-ENGINE = ["engine", "--model", "tiny-llama", "--trace", TRACE, "--requests", "2",
-          "--prompt-cap", "8", "--output-cap", "2"]
+# a command line (TRACE: a two-request trace), and the library it cannot run without
+TRACE = "TRACE"
+ENGINE = ["engine", "--model", "tiny-llama", "--trace", TRACE, "--prompt-cap", "8",
+          "--output-cap", "2"]
 NEEDS = [("torch", ENGINE, "odma-hw[torch]"),
          ("transformers", ENGINE, "odma-hw[engine]"),
          ("psutil", ENGINE + ["--policy", "hf", "--device", "torch:cpu"], "pip install psutil"),
@@ -60,16 +59,20 @@ NEEDS = [("torch", ENGINE, "odma-hw[torch]"),
          ("matplotlib", ["simulate", "--trace", TRACE, "--plot", "p.png"], "odma-hw[plot]")]
 
 
-@pytest.mark.skipif(not os.path.exists(TRACE), reason="needs the shared traces")
 @pytest.mark.parametrize("missing, args, says", NEEDS,
                          ids=[f"{lib}-{' '.join(args[:1] + args[-2:])}" for lib, args, _ in NEEDS])
-def test_a_missing_library_is_one_line_and_exit_2_before_any_work(tmp_path, missing, args, says):
+def test_a_missing_library_is_one_line_and_exit_2_before_any_work(tmp_path_factory, missing,
+                                                                   args, says):
+    trace = tmp_path_factory.mktemp("trace") / "two.csv"
+    trace.write_text("num_prefill_tokens,num_decode_tokens\n8,2\n8,2\n")
+    cwd = tmp_path_factory.mktemp("cwd")
+    args = [str(trace) if a == TRACE else a for a in args]
     # None in sys.modules makes every import of the library fail, as where it is not installed
     script = (f"import sys; sys.modules[{missing!r}] = None\n"
               "from odma_cli.main import main\nsys.exit(main(sys.argv[1:]))")
-    proc = subprocess.run([sys.executable, "-c", script, *args], cwd=tmp_path, text=True,
+    proc = subprocess.run([sys.executable, "-c", script, *args], cwd=cwd, text=True,
                           capture_output=True, timeout=300)
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr
     assert lines[0].startswith("odma-hw: error:") and says in lines[0], lines
-    assert not list(tmp_path.iterdir())                  # nothing written
+    assert not list(cwd.iterdir())                       # nothing written
