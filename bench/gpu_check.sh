@@ -91,6 +91,10 @@ step check_model 100 $E --trace "$R/check_model.csv" --kv-pool-gb 0.064 --policy
 # transformers' continuous batching
 step speed32 150 $E --trace "$R/t32.csv" --max-batch $MB --kv-pool-gb $(gb $POOL) \
   --policy $FIVE,hf --json
+# the same run's odma and paged with transformers' modules in place of the fused layers:
+# the launches a layer costs, side by side on the card
+step speed32_modules 50 $E --fused-layers off --trace "$R/t32.csv" --max-batch $MB \
+  --kv-pool-gb $(gb $POOL) --policy odma,paged --json
 # 4. the full run: 256 requests, prompts <= 2048, outputs <= 256, max batch 128, a 4 GB pool
 # (odma first, as on the runs where it trailed static; each row counts the kernels compiled
 # inside its timed run)

@@ -68,8 +68,8 @@ def fidelity(folder: Path) -> list[str]:
 
 def speed(folder: Path) -> list[str]:
     lines = []
-    for run in ("speed32", "speed32_chunked", "full256", "full256_rev", "full256_hf",
-                "speed32_hf_graphs"):
+    for run in ("speed32", "speed32_modules", "speed32_chunked", "full256", "full256_rev",
+                "full256_hf", "speed32_hf_graphs"):
         doc = load(folder / f"{run}.out")
         if not doc:
             continue
@@ -78,6 +78,7 @@ def speed(folder: Path) -> list[str]:
             lines.append(f"{run:18s} {p:8s} {m[0]:9.1f} tok/s  TTFT p50 {m[1]:8.1f} ms  "
                          f"TPOT p50 {m[2]:6.2f} ms p99 {m[3]:6.2f} ms  graphs "
                          f"{r.get('cuda_graphs')}  attention {r.get('attention')}  "
+                         f"fused {r.get('fused_layers')}  "
                          f"compiled in run {r.get('kernel_compiles', '-')}")
     eng = by_policy(load(folder / "speed32.out"))
     hf_graphs = by_policy(load(folder / "speed32_hf_graphs.out")).get("hf")

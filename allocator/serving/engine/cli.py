@@ -67,6 +67,9 @@ def prepare(args):
                               f"engine does not run (one of {', '.join(DTYPES)})")
     backend = attention_backend(device, None if args.attention == "auto" else args.attention)
     use_graphs(args.cuda_graphs, device, backend)
+    if args.fused_layers == "on" and backend != "triton":
+        raise BadArgument(f"--fused-layers on needs the Triton kernels (here: {device}, "
+                          f"{backend} attention)")
     if "hf" in policies:
         import torch
 
@@ -213,7 +216,8 @@ def compute(args, results: list | None = None, failed: list | None = None) -> di
               [0.0] * len(warm), pooled[0], pool_bytes=p["pool"],
               max_model_len=p["max_model_len"], max_batch=args.max_batch,
               page_tokens=args.page_tokens, config=p["alloc_config"], attention=p["attention"],
-              cuda_graphs=args.cuda_graphs, max_batched_tokens=args.max_num_batched_tokens)
+              cuda_graphs=args.cuda_graphs, fused_layers=args.fused_layers,
+              max_batched_tokens=args.max_num_batched_tokens)
     for policy in p["policies"]:
         show = progress(policy) if not args.json or os.isatty(2) else None
         load = OtherLoad()
@@ -233,8 +237,8 @@ def compute(args, results: list | None = None, failed: list | None = None) -> di
                             concurrency=args.concurrency, preemption=args.preemption,
                             swap_bytes=int(args.swap_space * 1e9), cobatch=args.cobatch,
                             seed=args.seed, progress=show, attention=p["attention"],
-                            cuda_graphs=args.cuda_graphs, keep_logits=args.check,
-                            config=p["alloc_config"])
+                            cuda_graphs=args.cuda_graphs, fused_layers=args.fused_layers,
+                            keep_logits=args.check, config=p["alloc_config"])
         except (OdmaError, RuntimeError, MemoryError) as exc:
             if failed is None:
                 raise
@@ -243,6 +247,7 @@ def compute(args, results: list | None = None, failed: list | None = None) -> di
         r = summarise(policy, run, settings, p["slo"])
         r["attention"] = run.get("attention")       # hf: None (transformers' own)
         r["cuda_graphs"] = run.get("cuda_graphs")   # hf: (varlen, decode) as it settled them
+        r["fused_layers"] = run.get("fused_layers")  # hf: None (transformers' modules)
         warn_disturbed(r, run, policy, load)
         # the KV the run kept its cache in: hf sizes its own, whatever --kv-pool-mb says
         r["kv_cache_mb"] = (run["allocator"]["cache_bytes"] / 1e6 if policy == "hf"
@@ -457,6 +462,12 @@ def register(subparsers) -> None:
                    help="replay decode steps from CUDA graphs captured per padded batch size "
                         "(auto: on a CUDA device with the triton kernels; off to compare); for "
                         "--policy hf, transformers' own CUDA graphs (auto: its choice)")
+    p.add_argument("--fused-layers", default="auto", choices=("auto", "on", "off"),
+                   help="run each decoder layer in about ten kernel launches (q/k/v and "
+                        "gate/up joined, the residual add in the norm, rotary with the KV store, "
+                        "silu with the product) instead of transformers' modules' 35; auto: "
+                        "with the triton kernels, where the model's layers allow (Llama, Qwen2, "
+                        "Mistral); off to compare")
     add_goodput_argument(p)
     add_preset_argument(p)
     p.add_argument("--json", action="store_true", help=f"print one JSON object ({SCHEMA})")

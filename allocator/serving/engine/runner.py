@@ -11,6 +11,11 @@ and V (compute-bound: nothing to read back). The tables are built once per step 
 (allocator/serving/engine/kv_runs.py) and moved to the device before the first layer; nothing inside
 the layers waits for the host, and the step's one synchronisation is reading its tokens back.
 
+On the Triton path the layers run fused where the model allows (FusedLayers): q, k and v in
+one matrix product, gate and up in one, the residual add inside the next RMSNorm, rotary and
+the KV store in one kernel, silu and the product in one: about ten launches a layer where
+transformers' modules make 35.
+
 Decode-only steps can be captured as CUDA graphs, one per padded batch size (1, 2, 4, 8, then
 steps of 8 up to the largest batch, as vLLM pads), over static buffers for ids, positions,
 slots and run tables; a step copies its values into them and replays. Padded lanes have no runs
@@ -26,9 +31,9 @@ import sys
 import numpy as np
 import torch
 
-from odma_cli.errors import one_line
+from odma_cli.errors import BadArgument, one_line
 
-from allocator.serving.engine import run_attention
+from allocator.serving.engine import run_attention, run_kernels
 from allocator.serving.engine.kv_runs import KVPool
 
 
@@ -52,7 +57,7 @@ class Runner:
     """Batched steps of `model` over the KV in `kv` with attention `backend` ("torch" or
     "triton"); decode steps from CUDA graphs when `graphs` is a DecodeGraphs."""
 
-    def __init__(self, model, kv: KVPool, backend: str = "torch"):
+    def __init__(self, model, kv: KVPool, backend: str = "torch", fused: str = "auto"):
         self.model = model
         self.inner = model.model
         self.kv = kv
@@ -64,6 +69,7 @@ class Runner:
         self.scale = self.head_dim ** -0.5
         self.device = next(model.parameters()).device
         self.graphs = None
+        self.fused = FusedLayers.of(model, backend, fused)
 
     # ------------------------------------------------------------------ tables to the device
     def _host(self, array):
@@ -89,6 +95,8 @@ class Runner:
         """The decoder stack over the packed token ids at positions `pos` (device tensors, [N]),
         storing each token's K and V at its slot, attention by attend(layer, q, k, v) -> o (each
         [N, heads, head_dim]); the final norm's output [N, hidden]."""
+        if self.fused is not None:
+            return self.fused.layers(self, ids, pos, slot, slot_cap, attend)
         x = self.inner.embed_tokens(ids)[None]
         cos, sin = self.inner.rotary_emb(x, pos[None])
         n, D = ids.shape[0], self.head_dim
@@ -194,6 +202,128 @@ class Runner:
         if order == sorted(order):
             return logits
         return logits[torch.from_numpy(np.argsort(order)).to(logits.device)]
+
+
+class FusedLayers:
+    """A decoder stack of q/k/v, o, gate/up, down projections, RMSNorms and rotary (Llama,
+    Qwen2, Mistral) run in about ten launches a layer on the Triton path: q, k, v joined into
+    one matrix (and gate, up into another), the residual add inside the next RMSNorm, rotary
+    and the KV store in one kernel, silu(gate) * up in one. At a decode batch each launch is a
+    few microseconds of an idle GPU, inside a CUDA graph too, so the count is the step's time.
+    The modules' own parameters become views of the joined matrices: no second copy of the
+    weights, and transformers' forward (the hf policy, --check's reference) reads the same
+    values."""
+
+    def __init__(self, model):
+        inner = model.model
+        cfg = model.config
+        self.heads = cfg.num_attention_heads
+        self.kv_heads = cfg.num_key_value_heads
+        self.inner = inner
+        self.final = inner.norm
+        self.blocks = []
+        with torch.no_grad():
+            for block in inner.layers:
+                a, m = block.self_attn, block.mlp
+                qkv_w, qkv_b = self._join([a.q_proj, a.k_proj, a.v_proj])
+                gu_w, gu_b = self._join([m.gate_proj, m.up_proj])
+                self.blocks.append((block.input_layernorm, qkv_w, qkv_b, a.o_proj,
+                                    block.post_attention_layernorm, gu_w, gu_b, m.down_proj))
+
+    @staticmethod
+    def why_not(model) -> str | None:
+        """Why this model's layers cannot run fused (None: they can)."""
+        cfg = model.config
+        if getattr(cfg, "hidden_act", None) != "silu":
+            return f"its activation is {getattr(cfg, 'hidden_act', None)!r}, not silu"
+        inner = getattr(model, "model", None)
+        rot = getattr(inner, "rotary_emb", None)
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        if rot is None or getattr(rot, "inv_freq", None) is None \
+                or rot.inv_freq.numel() * 2 != head_dim:
+            return "its rotary embedding does not turn the whole head"
+        want = {"self_attn": {"q_proj", "k_proj", "v_proj", "o_proj"},
+                "mlp": {"gate_proj", "up_proj", "down_proj", "act_fn"}}
+        for block in inner.layers:
+            for part, names in want.items():
+                have = {n for n, _ in getattr(block, part).named_children()}
+                if have != names:
+                    return f"its {part} has {sorted(have)}, not {sorted(names)}"
+            norms = (block.input_layernorm, block.post_attention_layernorm)
+            if any(not hasattr(n, "variance_epsilon") or n.weight.dim() != 1 for n in norms):
+                return "its norms are not RMSNorms"
+            a, m = block.self_attn, block.mlp
+            for group in ((a.q_proj, a.k_proj, a.v_proj), (m.gate_proj, m.up_proj)):
+                if len({g.bias is None for g in group}) > 1:
+                    return "only some of its joined projections have biases"
+        return None
+
+    @classmethod
+    def of(cls, model, backend: str, fused: str):
+        """The model's FusedLayers (made once a model) where `fused` ("auto", "on", "off") and
+        the backend allow: "auto" fuses on the Triton path where the model fits; "on" refuses
+        in one line where it cannot."""
+        if fused not in ("auto", "on", "off"):
+            raise BadArgument(f"--fused-layers takes auto, on or off, not {fused!r}")
+        if fused == "off":
+            return None
+        why = (None if backend == "triton" else f"the {backend} attention path runs "
+               "transformers' modules") or cls.why_not(model)
+        if why is not None:
+            if fused == "on":
+                raise BadArgument(f"--fused-layers on: not for this run: {why}")
+            return None
+        made = getattr(model, "_odma_fused_layers", None)
+        if made is None:
+            made = cls(model)
+            model._odma_fused_layers = made
+        return made
+
+    @staticmethod
+    def _join(linears):
+        """One weight (and bias) of the linears stacked by output rows; each linear's parameters
+        become views of it."""
+        w = torch.cat([lin.weight for lin in linears])
+        b = None if linears[0].bias is None else torch.cat([lin.bias for lin in linears])
+        at = 0
+        for lin in linears:
+            rows = lin.weight.shape[0]
+            lin.weight = torch.nn.Parameter(w[at:at + rows], requires_grad=False)
+            if b is not None:
+                lin.bias = torch.nn.Parameter(b[at:at + rows], requires_grad=False)
+            at += rows
+        return w, b
+
+    def layers(self, runner, ids, pos, slot, slot_cap, attend):
+        """Runner.layers on the fused path."""
+        linear = torch.nn.functional.linear
+        H, KVH, D = self.heads, self.kv_heads, runner.head_dim
+        kv = runner.kv
+        x = self.inner.embed_tokens(ids)               # the residual stream, [N, hidden]
+        cos, sin = self.inner.rotary_emb(x[None], pos[None])
+        cos, sin = cos[0], sin[0]
+        n = ids.shape[0]
+        h = torch.empty_like(x)
+        delta = None
+        for layer, (norm_in, qkv_w, qkv_b, o_proj, norm_post, gu_w, gu_b, down) in enumerate(
+                self.blocks):
+            run_kernels.add_rms_norm_triton(x, delta, norm_in.weight, norm_in.variance_epsilon, h)
+            qkv = linear(h, qkv_w, qkv_b)
+            run_kernels.rope_store_triton(qkv, cos, sin, kv.flat, slot, slot_cap, layer, H, KVH,
+                                          D, kv.align)
+            q = qkv[:, :H * D].view(n, H, D)
+            k = qkv[:, H * D:(H + KVH) * D].view(n, KVH, D)
+            v = qkv[:, (H + KVH) * D:].view(n, KVH, D)
+            o = attend(layer, q, k, v)
+            run_kernels.add_rms_norm_triton(x, linear(o.reshape(n, H * D), o_proj.weight,
+                                                      o_proj.bias),
+                                            norm_post.weight, norm_post.variance_epsilon, h)
+            gu = linear(h, gu_w, gu_b)
+            act = run_kernels.silu_mul_triton(gu, gu.new_empty(n, gu.shape[1] // 2))
+            delta = linear(act, down.weight, down.bias)
+        run_kernels.add_rms_norm_triton(x, delta, self.final.weight, self.final.variance_epsilon,
+                                        h)
+        return h
 
 
 class DecodeGraphs:

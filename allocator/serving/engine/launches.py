@@ -1,0 +1,81 @@
+"""Kernel launches of a piece of the engine, counted on any device: every torch operator that
+computes (views and allocations are not launches) and every Triton kernel launch. On a GPU at
+a decode batch each launch costs a few microseconds whatever it computes, so their count is
+what a layer costs there; counted on the CPU (Triton under TRITON_INTERPRET=1) it is the same
+count, since the same operators and kernels run.
+
+    with Launches() as n:
+        runner.decode(...)
+    n.total, n.by_name
+
+Around Runner steps: inside the block the kernels are wrapped, so serve()'s count of kernel
+compilations (which reads the kernels' own caches) would not work there.
+"""
+
+from __future__ import annotations
+
+import collections
+from unittest import mock
+
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from allocator.serving.engine import run_kernels
+
+# operators that allocate or reshape without computing: no kernel runs
+_NO_KERNEL = {"empty", "empty_strided", "new_empty", "new_empty_strided", "empty_like",
+              "_unsafe_view"}
+
+
+class Launches(TorchDispatchMode):
+    """Counts launches inside its `with` block: by_name (a Counter: aten operator names and
+    "triton:<kernel>") and total."""
+
+    def __init__(self):
+        super().__init__()
+        self.by_name: collections.Counter = collections.Counter()
+        self._inside_triton = 0
+        self._patch = None
+
+    @property
+    def total(self) -> int:
+        return sum(self.by_name.values())
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if not self._inside_triton and not func.is_view and name not in _NO_KERNEL:
+            self.by_name[name] += 1
+        return func(*args, **(kwargs or {}))
+
+    def __enter__(self):
+        kernels = run_kernels._kernels(run_kernels.interpreting())
+        counter = self
+
+        class Counted:
+            """A kernel whose launch counts once; what it runs inside (the interpreter's own
+            tensor work on the CPU) does not."""
+
+            def __init__(self, name, kern):
+                self.name, self.kern = name, kern
+
+            def __getitem__(self, grid):
+                launch = self.kern[grid]
+
+                def run(*args, **kwargs):
+                    counter.by_name["triton:" + self.name] += 1
+                    counter._inside_triton += 1
+                    try:
+                        return launch(*args, **kwargs)
+                    finally:
+                        counter._inside_triton -= 1
+                return run
+
+        counted = {name: Counted(name, kern) for name, kern in kernels.items()}
+        self._patch = mock.patch.object(run_kernels, "_kernels", lambda interpret: counted)
+        self._patch.start()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self._patch.stop()
