@@ -5,7 +5,10 @@ kind of step (decode-only, or with a prompt chunk or whole prompts) for each. On
 executor's execute() is wrapped: the loop is the core's own.
 
     .venv/bin/python bench/fidelity_steps.py --card CARD.toml [--trace sharegpt_8k.csv]
-        [--policy odma,paged] [--budget 256] [fidelity_engine.py's other options]
+        [--policy odma,paged] [--budget 256] [--each] [fidelity_engine.py's other options]
+
+--each also prints every step with prompt tokens in it, the engine's beside the simulation's
+(both make the same such plans in the same order).
 
 The simulation's decode plans may cover several steps at once (its executor jumps to the next
 event), so decode-only steps are compared as sums, not one by one. The engine's own warm-up
@@ -63,6 +66,8 @@ def sums(log: list) -> dict:
 def main(argv=None) -> int:
     p = fidelity_engine.parser()
     p.add_argument("--trace", default="sharegpt_8k.csv")
+    p.add_argument("--each", action="store_true",
+                   help="print every step with prompt tokens, engine beside simulate")
     a = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         trace = lengths_only(a.trace, tmp)
@@ -84,6 +89,12 @@ def main(argv=None) -> int:
                     batch = f", batch {rows / n:4.1f}" if name == "engine" else ""
                     print(f"{policy:8s} {name:8s} {kind:12s} {n:4d} plans{batch}, "
                           f"{secs:7.2f} s")
+            if a.each:
+                eng, sim = ([s for s in runs[-1][1] if s[1]] for runs in logs.values())
+                for (rows, prompt, e), (_, _, t) in zip(eng, sim):
+                    print(f"{policy:8s} step: {rows:3d} decodes, {prompt:4d} prompt tokens: "
+                          f"engine {e * 1e3:8.1f} ms, simulate {t * 1e3:8.1f} ms "
+                          f"({(t / e - 1) * 100:+.0f}%)")
     return 0
 
 

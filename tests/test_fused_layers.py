@@ -19,10 +19,10 @@ pytest.importorskip("triton")
 from allocator.config import AllocatorConfig  # noqa: E402
 from allocator.policies import make_allocator  # noqa: E402
 from allocator.serving import models  # noqa: E402
-from allocator.serving.engine import run_attention, run_kernels  # noqa: E402
+from allocator.serving.engine import layer_kernels, run_attention  # noqa: E402
 from allocator.serving.engine import serve as te  # noqa: E402
 from allocator.serving.engine.kv_runs import KVPool  # noqa: E402
-from allocator.serving.engine.launches import Launches  # noqa: E402
+from allocator.serving.engine.launches import decode_step_launches  # noqa: E402
 from allocator.serving.engine.runner import FusedLayers, Runner  # noqa: E402
 from odma_cli.errors import BadArgument  # noqa: E402
 from odma_cli.main import main  # noqa: E402
@@ -62,7 +62,7 @@ def test_add_rms_norm_is_the_residual_add_then_transformers_rmsnorm(dev, dtype, 
     with torch.no_grad():
         want = norm(want_x)
     out = torch.empty_like(x)
-    run_kernels.add_rms_norm_triton(x, delta, norm.weight, norm.variance_epsilon, out)
+    layer_kernels.add_rms_norm_triton(x, delta, norm.weight, norm.variance_epsilon, out)
     assert torch.equal(x, want_x)          # the residual row holds the rounded sum
     torch.testing.assert_close(out, want, **TOL[dtype])
 
@@ -99,7 +99,7 @@ def test_rope_store_rotates_q_and_k_in_place_and_stores_k_and_v(dev, dtype, head
     run_attention.store_kv(want_pool, want_k.contiguous(), v.contiguous(), slot_t, cap_t, layer,
                            kv_heads, head_dim, backend="torch")
     before = v.clone()
-    run_kernels.rope_store_triton(qkv, cos, sin, pool, slot_t, cap_t, layer, heads, kv_heads,
+    layer_kernels.rope_store_triton(qkv, cos, sin, pool, slot_t, cap_t, layer, heads, kv_heads,
                                   head_dim, 1)
     torch.testing.assert_close(qkv[:, :heads * head_dim].reshape(N, heads, head_dim), want_q,
                                **TOL[dtype])
@@ -117,7 +117,7 @@ def test_rope_store_rotates_q_and_k_in_place_and_stores_k_and_v(dev, dtype, head
 def test_silu_mul_is_silu_of_gate_times_up(dev, dtype, inter):
     gu = randn(3, 2 * inter, dtype=dtype, dev=dev, seed=5) * 3
     want = torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]
-    out = run_kernels.silu_mul_triton(gu, gu.new_empty(3, inter))
+    out = layer_kernels.silu_mul_triton(gu, gu.new_empty(3, inter))
     torch.testing.assert_close(out, want, **TOL[dtype])
 
 
@@ -159,40 +159,14 @@ def test_fused_layers_make_generates_tokens_on_every_layout_and_schedule(dev, na
     assert reference(model, prompts, gen) == want
 
 
-def launches_per_layer(cfg, backend, fused, dev):
-    """Launches of one decode step of 4 requests: (per layer, the rest), from the same step of
-    the model cut to 2 and to 4 layers."""
-    counts = []
-    for layers in (2, 4):
-        c = copy.deepcopy(cfg)
-        c.num_hidden_layers = layers
-        if getattr(c, "layer_types", None):
-            c.layer_types = c.layer_types[:1] * layers
-        model = te.build_model(c, "float32", dev, seed=0)
-        bpt = models.kv_bytes_per_token(c, "float32")
-        alloc = make_allocator("odma", f"torch:{dev}", 200 * bpt, bpt, 32,
-                               AllocatorConfig(background_refresh=False))
-        try:
-            runner = Runner(model, KVPool(alloc, c, torch.float32, models.head_dim(c)), backend,
-                            fused)
-            for i in range(4):
-                alloc.reserve(i, 16, 4.0, 0.0)
-            runner.prefill([(i, list(range(3, 12))) for i in range(4)])
-            with Launches() as n:
-                runner.decode([5, 6, 7, 8], [9, 9, 9, 9], [0, 1, 2, 3])
-            counts.append(n.total)
-        finally:
-            alloc.close()
-    per_layer = (counts[1] - counts[0]) // 2
-    return per_layer, counts[0] - 2 * per_layer
-
-
 def test_a_fused_decode_layer_is_ten_launches_or_fewer(dev):
     """norm, qkv, rotary with the store, attention (a second launch where the context is
     split), o, add-norm, gate/up, silu-mul, down: 9 or 10; the modules make four times that."""
     cfg, _ = models.load_config("tiny-qwen2")
-    fused, rest = launches_per_layer(cfg, "triton", "on", dev)
-    modules, _ = launches_per_layer(cfg, "triton", "off", dev)
+    fused, rest, kinds = decode_step_launches(cfg, "triton", "on", dev)
+    modules, _, _ = decode_step_launches(cfg, "triton", "off", dev)
+    # every layer's launches counted, the layer kernels' among them (4 layers, a final norm)
+    assert kinds["triton:rope_store"] == 4 and kinds["triton:add_rms_norm"] == 9
     assert fused <= 10, fused
     assert modules >= 3 * fused, (modules, fused)
     assert rest <= 12, rest          # embedding, rotary tables, final norm, head, the rows

@@ -15,6 +15,7 @@ compilations (which reads the kernels' own caches) would not work there.
 from __future__ import annotations
 
 import collections
+import copy
 from unittest import mock
 
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -79,3 +80,43 @@ class Launches(TorchDispatchMode):
             return super().__exit__(*exc)
         finally:
             self._patch.stop()
+
+
+def decode_step_launches(config, backend: str, fused: str, device: str = "cpu",
+                         batch: int = 4) -> tuple[int, int, collections.Counter]:
+    """(launches a layer, launches of the rest of the step, the 4-layer step's launches by
+    name) of one decode step of `batch` requests with 9 tokens of context, on the model of
+    `config` (random weights, float32): the same step counted on the model cut to 2 and to 4
+    layers, so the layer's count is exact."""
+    import torch
+
+    from allocator.config import AllocatorConfig
+    from allocator.policies import make_allocator
+    from allocator.serving import models
+    from allocator.serving.engine.kv_runs import KVPool
+    from allocator.serving.engine.runner import Runner
+    from allocator.serving.engine.serve import build_model
+
+    counts = []
+    for layers in (2, 4):
+        cut = copy.deepcopy(config)
+        cut.num_hidden_layers = layers
+        if getattr(cut, "layer_types", None):
+            cut.layer_types = cut.layer_types[:1] * layers
+        model = build_model(cut, "float32", device, seed=0)
+        bpt = models.kv_bytes_per_token(cut, "float32")
+        alloc = make_allocator("odma", f"torch:{device}", batch * 64 * bpt, bpt, 32,
+                               AllocatorConfig(background_refresh=False))
+        try:
+            runner = Runner(model, KVPool(alloc, cut, torch.float32, models.head_dim(cut)),
+                            backend, fused)
+            for i in range(batch):
+                alloc.reserve(i, 16, 4.0, 0.0)
+            runner.prefill([(i, list(range(3, 12))) for i in range(batch)])
+            with Launches() as n:
+                runner.decode(list(range(5, 5 + batch)), [9] * batch, list(range(batch)))
+            counts.append(n.total)
+        finally:
+            alloc.close()
+    per_layer = (counts[1] - counts[0]) // 2
+    return per_layer, counts[0] - 2 * per_layer, n.by_name

@@ -44,8 +44,9 @@ import torch
 
 from odma_cli.errors import BadArgument
 
+from allocator.serving.engine.layer_kernels import store_kv_triton
 from allocator.serving.engine.run_kernels import (decode_triton, interpreting, prefill_triton,
-                                                  store_kv_triton, triton_available)
+                                                  triton_available)
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 TABLE_FIELDS = ("run_start", "run_off", "run_cap", "run_len", "run_pos", "ctx_len")

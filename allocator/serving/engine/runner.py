@@ -33,7 +33,7 @@ import torch
 
 from odma_cli.errors import BadArgument, one_line
 
-from allocator.serving.engine import run_attention, run_kernels
+from allocator.serving.engine import layer_kernels, run_attention
 from allocator.serving.engine.kv_runs import KVPool
 
 
@@ -307,21 +307,21 @@ class FusedLayers:
         delta = None
         for layer, (norm_in, qkv_w, qkv_b, o_proj, norm_post, gu_w, gu_b, down) in enumerate(
                 self.blocks):
-            run_kernels.add_rms_norm_triton(x, delta, norm_in.weight, norm_in.variance_epsilon, h)
+            layer_kernels.add_rms_norm_triton(x, delta, norm_in.weight, norm_in.variance_epsilon, h)
             qkv = linear(h, qkv_w, qkv_b)
-            run_kernels.rope_store_triton(qkv, cos, sin, kv.flat, slot, slot_cap, layer, H, KVH,
+            layer_kernels.rope_store_triton(qkv, cos, sin, kv.flat, slot, slot_cap, layer, H, KVH,
                                           D, kv.align)
             q = qkv[:, :H * D].view(n, H, D)
             k = qkv[:, H * D:(H + KVH) * D].view(n, KVH, D)
             v = qkv[:, (H + KVH) * D:].view(n, KVH, D)
             o = attend(layer, q, k, v)
-            run_kernels.add_rms_norm_triton(x, linear(o.reshape(n, H * D), o_proj.weight,
+            layer_kernels.add_rms_norm_triton(x, linear(o.reshape(n, H * D), o_proj.weight,
                                                       o_proj.bias),
                                             norm_post.weight, norm_post.variance_epsilon, h)
             gu = linear(h, gu_w, gu_b)
-            act = run_kernels.silu_mul_triton(gu, gu.new_empty(n, gu.shape[1] // 2))
+            act = layer_kernels.silu_mul_triton(gu, gu.new_empty(n, gu.shape[1] // 2))
             delta = linear(act, down.weight, down.bias)
-        run_kernels.add_rms_norm_triton(x, delta, self.final.weight, self.final.variance_epsilon,
+        layer_kernels.add_rms_norm_triton(x, delta, self.final.weight, self.final.variance_epsilon,
                                         h)
         return h
 

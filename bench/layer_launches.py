@@ -1,0 +1,67 @@
+"""Kernel launches of one decode step, by decoder layer and for the rest of the step, with the
+fused layers and with transformers' modules, for the shipped model configs (random weights,
+a small vocabulary: the count does not depend on sizes). Counted on the CPU with the Triton
+kernels under TRITON_INTERPRET=1 (set here), or on a GPU: the same operators and kernels run.
+
+    .venv/bin/python bench/layer_launches.py [--models tiny-qwen2,qwen2.5-0.5b]
+
+At a decode batch each launch costs a GPU a few microseconds whatever it computes, inside a
+CUDA graph too: a layer's launches are what it costs there beside its weight reads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", default="tiny-llama,tiny-qwen2,tiny-mistral,qwen2.5-0.5b",
+                   help="the engine's model configs (shipped names or config.json paths)")
+    p.add_argument("--device", default="cpu",
+                   help="cpu (the Triton kernels interpreted) or a CUDA device (compiled)")
+    a = p.parse_args(argv)
+    if a.device == "cpu":
+        os.environ["TRITON_INTERPRET"] = "1"
+    from allocator.serving import models
+    from allocator.serving.engine.launches import decode_step_launches
+    from odma_cli.errors import BadArgument
+
+    try:
+        configs = [(name, models.load_config(name)[0]) for name in a.models.split(",")]
+    except BadArgument as exc:
+        print(f"layer_launches.py: {exc}", file=sys.stderr)
+        sys.exit(2)
+    print("| model | layers | a layer: modules / fused | rest of the step: modules / fused | "
+          "the step: modules / fused |")
+    print("|---|---|---|---|---|")
+    for name, cfg in configs:
+        layers = cfg.num_hidden_layers
+        small = _shrunk(cfg)
+        (m, mr, _), (f, fr, _) = (decode_step_launches(small, "triton", fused, a.device)
+                                  for fused in ("off", "on"))
+        print(f"| {name} | {layers} | {m} / {f} | {mr} / {fr} | {m * layers + mr} / "
+              f"{f * layers + fr} ({(m * layers + mr) / (f * layers + fr):.1f}x) |")
+
+
+def _shrunk(cfg):
+    """The config with its grouped-query ratio, biases and activation kept and its sizes cut,
+    so that a CPU runs it in seconds."""
+    import copy
+
+    small = copy.deepcopy(cfg)
+    heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
+    group = heads // kv
+    small.num_key_value_heads = min(kv, 2)
+    small.num_attention_heads = small.num_key_value_heads * group
+    small.head_dim = 16
+    small.hidden_size = 64
+    small.intermediate_size = 128
+    small.vocab_size = 512
+    return small
+
+
+if __name__ == "__main__":
+    main()
