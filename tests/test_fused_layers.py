@@ -200,3 +200,50 @@ def test_what_cannot_run_fused_runs_the_modules_or_is_refused(dev, tmp_path, cap
                  "--fused-layers", "on"])
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1 and "--fused-layers on" in err, err
+
+
+# ----------------------------------------------------------------------------- compiled mode
+def layer_kernel_signatures(ty: str) -> dict:
+    """(signature, constexprs) of each layer kernel at Qwen2.5-0.5B's shapes in dtype ty."""
+    ptr, i32 = f"*{ty}", "i32"
+    return {
+        "add_rms_norm": ({"x_ptr": ptr, "d_ptr": ptr, "w_ptr": ptr, "out_ptr": ptr, "sx": i32,
+                          "sd": i32, "so": i32, "H": i32, "eps": "fp32"},
+                         {"HAS_D": True, "BLOCK": 1024}),
+        "rope_store": ({"qkv_ptr": ptr, "cos_ptr": ptr, "sin_ptr": ptr, "pool_ptr": ptr,
+                        "slot_ptr": "*i64", "slot_cap_ptr": "*i64", "s_qkv": i32, "s_cos": i32,
+                        "s_sin": i32, "layer": i32},
+                       {"HQ": 14, "KVH": 2, "D": 64, "HALF": 32, "BLOCK_HQ": 16, "BLOCK_KV": 2,
+                        "BLOCK_HALF": 32, "ALIGN": 8}),
+        "silu_mul": ({"gu_ptr": ptr, "out_ptr": ptr, "s_gu": i32, "s_out": i32, "inter": i32},
+                     {"BLOCK": 1024}),
+        "store": ({"pool_ptr": ptr, "k_ptr": ptr, "v_ptr": ptr, "slot_ptr": "*i64",
+                   "slot_cap_ptr": "*i64", "sk_n": i32, "sk_h": i32, "sk_d": i32, "sv_n": i32,
+                   "sv_h": i32, "sv_d": i32, "layer": i32},
+                  {"KVH": 2, "D": 64, "BLOCK_H": 2, "BLOCK_D": 64, "ALIGN": 8})}
+
+
+@pytest.mark.parametrize("ty", ["bf16", "fp32"])
+def test_the_layer_kernels_compile_for_an_h100_without_one(monkeypatch, ty):
+    """Compiled mode is not the interpreter's: every layer kernel goes through Triton's compiler
+    to an sm_90 binary here, no GPU needed, and its bfloat16 conversions round to nearest
+    even (what the kernels' rounding assumes on a GPU)."""
+    import re
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from allocator.serving.engine import run_kernels
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    kernels = run_kernels._kernels(False)
+    for name, (signature, constexprs) in layer_kernel_signatures(ty).items():
+        signature = dict(signature, **{c: "constexpr" for c in constexprs})
+        out = triton.compile(ASTSource(fn=kernels[name], signature=signature,
+                                       constexprs=constexprs),
+                             target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+        assert out.asm["cubin"], name
+        to_bf16 = set(re.findall(r"cvt\.(\w+)\.bf16\.f32", out.asm["ptx"]))
+        assert to_bf16 <= {"rn"} and (ty == "fp32" or name == "store" or to_bf16), (name,
+                                                                                      to_bf16)

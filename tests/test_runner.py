@@ -112,10 +112,17 @@ def test_cuda_graphs_and_triton_are_refused_where_they_cannot_run(tmp_path, caps
         assert code == 2 and len(err.splitlines()) == 1 and words in err, err
 
 
-def test_padded_decode_graph_steps_make_generates_tokens(monkeypatch):
+@pytest.mark.parametrize("attention", ["torch", "triton"])
+def test_padded_decode_graph_steps_make_generates_tokens(monkeypatch, attention):
     """The decode graphs' static buffers, padding and table packing, replayed eagerly on the
     CPU (a CUDA graph replays exactly what it captured): every policy's tokens are still
-    generate()'s, with batches that pad up to a larger size and lanes left empty."""
+    generate()'s, with batches that pad up to a larger size and lanes left empty; with the
+    Triton kernels (interpreted) and the fused layers too, as a GPU captures them."""
+    policies = ("odma", "paged", "extent", "elastic")
+    if attention == "triton":
+        pytest.importorskip("triton")
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        policies = ("paged",)
     from allocator.serving.engine import runner as runner_mod
     from allocator.serving.engine import serve as te
 
@@ -152,13 +159,15 @@ def test_padded_decode_graph_steps_make_generates_tokens(monkeypatch):
                                 eos_token_id=None, pad_token_id=0)[0, p.numel():].tolist()
                  for p, g in zip(prompts, gen)]
     bpt = models.kv_bytes_per_token(cfg, "float32")
-    for policy in ("odma", "paged", "extent", "elastic"):
+    for policy in policies:
         replays.clear()
         run = te.serve(model, prompts, gen, np.zeros(len(gen)), policy, pool_bytes=400 * bpt,
                        max_model_len=64, max_batch=6, page_tokens=4, predictor="noisy",
+                       attention=attention,
                        config=AllocatorConfig(background_refresh=False, token_alignment=4,
                                               extent_knee_tokens=4, extent_max=4))
         assert run["tokens"] == reference, policy
+        assert run["fused_layers"] is (attention == "triton")
         assert {3, 5} & set(replays), replays        # batches padded to 4 and 6
 
 

@@ -22,10 +22,14 @@ from allocator.serving.engine import run_kernels
 from allocator.serving.engine.run_kernels import _align_of, _next_pow2
 
 
+def _kernel(name: str):
+    """The kernel `name` in the mode TRITON_INTERPRET asks for."""
+    return run_kernels._kernels(run_kernels.interpreting())[name]
+
+
 def store_kv_triton(pool, k, v, slot, slot_cap, layer, kv_heads, head_dim, align):
-    kern = run_kernels._kernels(run_kernels.interpreting())
     N = k.shape[0]
-    kern["store"][(N,)](
+    _kernel("store")[(N,)](
         pool, k, v, slot, slot_cap,
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         layer, KVH=kv_heads, D=head_dim, BLOCK_H=_next_pow2(kv_heads),
@@ -38,7 +42,7 @@ def add_rms_norm_triton(x, delta, weight, eps: float, out):
     column stride."""
     N, H = x.shape
     if N:
-        run_kernels._kernels(run_kernels.interpreting())["add_rms_norm"][(N,)](
+        _kernel("add_rms_norm")[(N,)](
             x, x if delta is None else delta, weight, out, x.stride(0),
             0 if delta is None else delta.stride(0), out.stride(0), H, float(eps),
             HAS_D=delta is not None, BLOCK=_next_pow2(H), num_warps=4 if H >= 1024 else 1)
@@ -52,7 +56,7 @@ def rope_store_triton(qkv, cos, sin, pool, slot, slot_cap, layer, heads, kv_head
     N = qkv.shape[0]
     if N:
         half = head_dim // 2
-        run_kernels._kernels(run_kernels.interpreting())["rope_store"][(N,)](
+        _kernel("rope_store")[(N,)](
             qkv, cos, sin, pool, slot, slot_cap, qkv.stride(0), cos.stride(0), sin.stride(0),
             layer, HQ=heads, KVH=kv_heads, D=head_dim, HALF=half,
             BLOCK_HQ=_next_pow2(heads), BLOCK_KV=_next_pow2(kv_heads),
@@ -65,7 +69,7 @@ def silu_mul_triton(gate_up, out):
     N, I2 = gate_up.shape
     block = min(1024, _next_pow2(I2 // 2))
     if N:
-        run_kernels._kernels(run_kernels.interpreting())["silu_mul"][(N, -(-(I2 // 2) // block))](
+        _kernel("silu_mul")[(N, -(-(I2 // 2) // block))](
             gate_up, out, gate_up.stride(0), out.stride(0), I2 // 2, BLOCK=block, num_warps=4)
     return out
 
