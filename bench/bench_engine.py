@@ -1,7 +1,8 @@
 """The real engine's decode step (allocator/serving/engine/runner.py) with the KV in contiguous blocks
 (one run per request) against 16-token pages (one run per page), read by the same run-table
 attention: Qwen2.5-0.5B's published config, random weights, float32, on torch:cpu. The ratio
-paged / contiguous seconds goes to extra_info."""
+paged / contiguous seconds goes to extra_info. On a CUDA machine, also the step from its CUDA
+graph with the fused layers against transformers' modules (`make gpu-check` runs it)."""
 
 from __future__ import annotations
 
@@ -81,3 +82,51 @@ def test_paged_over_contiguous_decode_ratio(benchmark, model):
     finally:
         for alloc, _ in steps.values():
             alloc.close()
+
+
+# ----------------------------------------------------------------------------- on a GPU
+GPU_BATCH, GPU_CONTEXT = 32, 1024
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused layers are timed on CUDA")
+@pytest.mark.parametrize("fused", ["on", "off"], ids=["fused", "modules"])
+def test_cuda_graph_decode_step(benchmark, timings, fused):
+    """One decode step of Qwen2.5-0.5B (bfloat16, random weights) at 32 requests x 1,024 tokens
+    from its CUDA graph, with the fused layers and with transformers' modules, tokens read back
+    as the engine reads them; extra_info: the step's milliseconds and the weight and KV bytes
+    it reads (over the native probe's sequential rate, the step's memory floor)."""
+    from allocator.serving.engine.runner import make_graphs
+
+    cfg, _ = models.load_config("qwen2.5-0.5b")
+    model = te.build_model(cfg, "bfloat16", "cuda", seed=0)
+    bpt = models.kv_bytes_per_token(cfg, "bfloat16")
+    longest = GPU_CONTEXT + 64
+    alloc = make_allocator("odma", "torch:cuda:0", GPU_BATCH * longest * bpt, bpt, longest,
+                           AllocatorConfig(background_refresh=False))
+    try:
+        runner = Runner(model, KVPool(alloc, cfg, torch.bfloat16, models.head_dim(cfg)),
+                        "triton", fused)
+        ids = te.prompt_ids(GPU_BATCH, [GPU_CONTEXT] * GPU_BATCH, cfg.vocab_size, 0)
+        for i in range(GPU_BATCH):
+            alloc.reserve(i, GPU_CONTEXT, 32.0, 0.0)
+        for first in range(0, GPU_BATCH, 8):             # prompts, untimed
+            runner.prefill([(i, ids[i]) for i in range(first, first + 8)])
+        for i in range(GPU_BATCH):
+            alloc.grow(i, GPU_CONTEXT + 1)               # room for the decoded token
+        assert make_graphs(runner, GPU_BATCH, GPU_BATCH + 1) is not None, "capture failed"
+        tokens = [int(t[-1]) for t in ids]
+
+        def step():
+            runner.decode(tokens, [GPU_CONTEXT] * GPU_BATCH,
+                          list(range(GPU_BATCH))).argmax(-1).tolist()
+        for _ in range(3):
+            step()                                        # warm-up: first replays
+        benchmark.pedantic(step, rounds=30, iterations=1)
+        weights = sum(p.numel() * p.element_size() for p in model.parameters())
+        benchmark.extra_info.update(fused_layers=runner.fused is not None,
+                                    weight_bytes=weights,
+                                    kv_bytes=GPU_BATCH * GPU_CONTEXT * bpt)
+        if timings():
+            benchmark.extra_info["step_ms"] = timings().median * 1e3
+    finally:
+        alloc.close()

@@ -117,7 +117,7 @@ step full256_rev 60 $E --trace "$R/t256.csv" --max-batch $BIGMB --kv-pool-gb $(g
   --max-model-len $BIGLEN --policy static,odma --json
 # 6. as time allows: chunked prefill; transformers at its best (its own CUDA graphs asked
 # for) on both runs; the decode kernel's KV read rate by layout (beside the probe's
-# sequential read in calibrate's card)
+# sequential read in calibrate's card) and a decode step from its graph, fused and not
 step speed32_chunked 60 $E --trace "$R/t32.csv" --max-batch $MB --kv-pool-gb $(gb $POOL) \
   --max-num-batched-tokens 2048 --policy odma,paged --json
 HFG=${E/--cuda-graphs $G/--cuda-graphs on}
@@ -127,7 +127,8 @@ if [ "${HF_GRAPHS:-1}" = 1 ]; then
   step full256_hf 70 $HFG --trace "$R/t256.csv" --max-batch $BIGMB --kv-pool-gb $(gb $BIGPOOL) \
     --max-model-len $BIGLEN --policy hf --json
 fi
-step kernel_bench 60 $PY -m pytest bench/bench_run_attention.py --benchmark-only -q \
+step kernel_bench 100 $PY -m pytest bench/bench_run_attention.py \
+  bench/bench_engine.py::test_cuda_graph_decode_step --benchmark-only -q \
   -p no:cacheprovider --benchmark-json "$R/kernel_bench.json"
 cp "$R"/card.* "$OUT"/ 2>/dev/null
 $PY bench/gpu_summary.py "$R" | tee "$OUT/summary.txt"

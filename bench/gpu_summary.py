@@ -125,6 +125,14 @@ def kernel(folder: Path) -> list[str]:
                      f"{p.get('layout'):10s} {x['kv_gbps']:7.0f}  "
                      f"{x.get('ratio_to_contiguous', 0):.2f}"
                      + (f"  {x['kv_gbps'] / seq:.2f}" if seq else ""))
+    for b in doc.get("benchmarks", []):     # bench_engine.py's decode step from its graph
+        x = b.get("extra_info", {})
+        if "step_ms" in x:
+            floor = (x["weight_bytes"] + x["kv_bytes"]) / (seq * 1e9) * 1e3 if seq else None
+            lines.append(f"decode step 32 x 1,024 tokens, fused layers {x['fused_layers']}: "
+                         f"{x['step_ms']:.3f} ms" + (f" (memory floor {floor:.3f} ms at the "
+                                                      f"probe's sequential read)" if floor
+                                                      else ""))
     return lines
 
 

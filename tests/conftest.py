@@ -1,5 +1,6 @@
 """What every test may assume of the process it runs in."""
 
+import os
 import signal
 
 import pytest
@@ -37,3 +38,14 @@ def _quiet_host(monkeypatch):
     except ImportError:             # the tests that do not need the engine still run
         return
     monkeypatch.setattr(engine_cli, "OtherLoad", _QuietHost)
+
+
+@pytest.fixture
+def tri(monkeypatch):
+    """The device the Triton kernels run on: CUDA, or the CPU under the interpreter."""
+    pytest.importorskip("triton")
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") != "1":
+        return "cuda"
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    return "cpu"

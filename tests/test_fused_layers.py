@@ -7,7 +7,6 @@ runs the modules (auto) or is refused in one line (on)."""
 from __future__ import annotations
 
 import copy
-import os
 
 import numpy as np
 import pytest
@@ -33,31 +32,23 @@ from odma_cli.main import main  # noqa: E402
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2 ** -6, atol=1e-2)}
 
 
-@pytest.fixture
-def dev(monkeypatch):
-    if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") != "1":
-        return "cuda"
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    return "cpu"
-
-
-def randn(*shape, dtype, dev, seed):
+def randn(*shape, dtype, device, seed):
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(*shape, generator=g).to(dtype).to(dev)
+    return torch.randn(*shape, generator=g).to(dtype).to(device)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("hidden", [37, 64])
 @pytest.mark.parametrize("with_delta", [False, True], ids=["norm", "add-norm"])
-def test_add_rms_norm_is_the_residual_add_then_transformers_rmsnorm(dev, dtype, hidden,
+def test_add_rms_norm_is_the_residual_add_then_transformers_rmsnorm(tri, dtype, hidden,
                                                                    with_delta):
     from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
 
-    norm = Qwen2RMSNorm(hidden, eps=1e-6).to(dev, dtype)
+    norm = Qwen2RMSNorm(hidden, eps=1e-6).to(tri, dtype)
     with torch.no_grad():
-        norm.weight.copy_(randn(hidden, dtype=dtype, dev=dev, seed=1) * 0.5 + 1)
-    x = randn(5, hidden, dtype=dtype, dev=dev, seed=2)
-    delta = randn(5, hidden, dtype=dtype, dev=dev, seed=3) if with_delta else None
+        norm.weight.copy_(randn(hidden, dtype=dtype, device=tri, seed=1) * 0.5 + 1)
+    x = randn(5, hidden, dtype=dtype, device=tri, seed=2)
+    delta = randn(5, hidden, dtype=dtype, device=tri, seed=3) if with_delta else None
     want_x = x + delta if with_delta else x.clone()
     with torch.no_grad():
         want = norm(want_x)
@@ -69,7 +60,7 @@ def test_add_rms_norm_is_the_residual_add_then_transformers_rmsnorm(dev, dtype, 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(14, 2, 16), (3, 3, 8), (7, 1, 32)])
-def test_rope_store_rotates_q_and_k_in_place_and_stores_k_and_v(dev, dtype, heads, kv_heads,
+def test_rope_store_rotates_q_and_k_in_place_and_stores_k_and_v(tri, dtype, heads, kv_heads,
                                                                 head_dim):
     """Against transformers' apply_rotary_pos_emb and the torch store: q and k rotated in the
     fused row, the rotated K and V at each token's slot, a negative slot not written."""
@@ -77,11 +68,11 @@ def test_rope_store_rotates_q_and_k_in_place_and_stores_k_and_v(dev, dtype, head
 
     N, layers, layer = 6, 3, 1
     width = (heads + 2 * kv_heads) * head_dim
-    qkv = randn(N, width, dtype=dtype, dev=dev, seed=4)
+    qkv = randn(N, width, dtype=dtype, device=tri, seed=4)
     pos = torch.arange(N, dtype=torch.float32) * 7 + 3
     inv = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
     ang = torch.cat([pos[:, None] * inv[None]] * 2, dim=1)
-    cos, sin = ang.cos().to(dtype).to(dev), ang.sin().to(dtype).to(dev)
+    cos, sin = ang.cos().to(dtype).to(tri), ang.sin().to(dtype).to(tri)
     q = qkv[:, :heads * head_dim].reshape(N, heads, head_dim)
     k = qkv[:, heads * head_dim:(heads + kv_heads) * head_dim].reshape(N, kv_heads, head_dim)
     v = qkv[:, (heads + kv_heads) * head_dim:].reshape(N, kv_heads, head_dim)
@@ -93,9 +84,9 @@ def test_rope_store_rotates_q_and_k_in_place_and_stores_k_and_v(dev, dtype, head
     slot = np.arange(N, dtype=np.int64) * 40
     slot[2] = -1
     size = int(slot.max()) + layers * 2 * kv_heads * 8 * head_dim + 64
-    pool = torch.full((size,), -7.0, dtype=dtype, device=dev)
+    pool = torch.full((size,), -7.0, dtype=dtype, device=tri)
     want_pool = pool.clone()
-    slot_t, cap_t = torch.from_numpy(slot).to(dev), torch.from_numpy(cap).to(dev)
+    slot_t, cap_t = torch.from_numpy(slot).to(tri), torch.from_numpy(cap).to(tri)
     run_attention.store_kv(want_pool, want_k.contiguous(), v.contiguous(), slot_t, cap_t, layer,
                            kv_heads, head_dim, backend="torch")
     before = v.clone()
@@ -114,8 +105,8 @@ def test_rope_store_rotates_q_and_k_in_place_and_stores_k_and_v(dev, dtype, head
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("inter", [5, 1500])
-def test_silu_mul_is_silu_of_gate_times_up(dev, dtype, inter):
-    gu = randn(3, 2 * inter, dtype=dtype, dev=dev, seed=5) * 3
+def test_silu_mul_is_silu_of_gate_times_up(tri, dtype, inter):
+    gu = randn(3, 2 * inter, dtype=dtype, device=tri, seed=5) * 3
     want = torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]
     out = layer_kernels.silu_mul_triton(gu, gu.new_empty(3, inter))
     torch.testing.assert_close(out, want, **TOL[dtype])
@@ -133,12 +124,12 @@ def reference(model, prompts, gen):
     ("tiny-qwen2", "odma", None), ("tiny-qwen2", "paged", 16), ("tiny-llama", "extent", None),
     ("tiny-llama", "static", 16)], ids=["qwen2-odma", "qwen2-paged-chunked", "llama-extent",
                                         "llama-static-chunked"])
-def test_fused_layers_make_generates_tokens_on_every_layout_and_schedule(dev, name, policy,
+def test_fused_layers_make_generates_tokens_on_every_layout_and_schedule(tri, name, policy,
                                                                          chunk):
     """Qwen2's q/k/v biases and Llama's none; contiguous blocks, pages of 4 tokens, extents;
     whole prompts and prompt chunks of 16 tokens beside decodes."""
     cfg, _ = models.load_config(name)
-    model = te.build_model(cfg, "float32", dev, seed=0)
+    model = te.build_model(cfg, "float32", tri, seed=0)
     rng = np.random.default_rng(5)
     prompts = te.prompt_ids(5, rng.integers(2, 30, 5), cfg.vocab_size, 4)
     gen = [int(g) for g in rng.integers(1, 8, 5)]
@@ -159,12 +150,12 @@ def test_fused_layers_make_generates_tokens_on_every_layout_and_schedule(dev, na
     assert reference(model, prompts, gen) == want
 
 
-def test_a_fused_decode_layer_is_ten_launches_or_fewer(dev):
+def test_a_fused_decode_layer_is_ten_launches_or_fewer(tri):
     """norm, qkv, rotary with the store, attention (a second launch where the context is
     split), o, add-norm, gate/up, silu-mul, down: 9 or 10; the modules make four times that."""
     cfg, _ = models.load_config("tiny-qwen2")
-    fused, rest, kinds = decode_step_launches(cfg, "triton", "on", dev)
-    modules, _, _ = decode_step_launches(cfg, "triton", "off", dev)
+    fused, rest, kinds = decode_step_launches(cfg, "triton", "on", tri)
+    modules, _, _ = decode_step_launches(cfg, "triton", "off", tri)
     # every layer's launches counted, the layer kernels' among them (4 layers, a final norm)
     assert kinds["triton:rope_store"] == 4 and kinds["triton:add_rms_norm"] == 9
     assert fused <= 10, fused
@@ -172,15 +163,15 @@ def test_a_fused_decode_layer_is_ten_launches_or_fewer(dev):
     assert rest <= 12, rest          # embedding, rotary tables, final norm, head, the rows
 
 
-def test_what_cannot_run_fused_runs_the_modules_or_is_refused(dev, tmp_path, capsys,
+def test_what_cannot_run_fused_runs_the_modules_or_is_refused(tri, tmp_path, capsys,
                                                               monkeypatch):
     cfg, _ = models.load_config("tiny-llama")
     gelu = copy.deepcopy(cfg)
     gelu.hidden_act = "gelu"
-    model = te.build_model(gelu, "float32", dev, seed=0)
+    model = te.build_model(gelu, "float32", tri, seed=0)
     assert "silu" in FusedLayers.why_not(model)
     bpt = models.kv_bytes_per_token(gelu, "float32")
-    alloc = make_allocator("odma", f"torch:{dev}", 100 * bpt, bpt, 32,
+    alloc = make_allocator("odma", f"torch:{tri}", 100 * bpt, bpt, 32,
                            AllocatorConfig(background_refresh=False))
     try:
         kv = KVPool(alloc, gelu, torch.float32, models.head_dim(gelu))

@@ -19,7 +19,6 @@ byte outside its runs (a region's unused tail, a gap between regions) gives NaN.
 
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
@@ -144,17 +143,6 @@ def close(got, want, dtype):
     got = got.detach().cpu().double()
     assert not torch.isnan(got).any(), "NaN in the output"
     torch.testing.assert_close(got, want.cpu().double(), **TOL[dtype])
-
-
-# ----------------------------------------------------------------------------- Triton setup
-@pytest.fixture
-def tri(monkeypatch):
-    """The device the Triton kernels run on: CUDA, or the CPU under the interpreter."""
-    pytest.importorskip("triton")
-    if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") != "1":
-        return "cuda"
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    return "cpu"
 
 
 # Geometries: (kv heads, query heads per kv head, head_dim, dtype, decode splits). The torch
