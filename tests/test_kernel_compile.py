@@ -1,11 +1,13 @@
 """The engine's Triton kernels compile for an H100 (sm_90) here, where no GPU is: triton's own
 compiler and ptxas build each kernel ahead of time, as the first launch on a GPU would. The
 interpreter runs their arithmetic in the other tests; this proves the compiled mode accepts them
-(a kernel the interpreter runs may still fail to compile), and that the values a step changes
-(the decode split count, the layer) stay run-time arguments: one compilation serves every batch
-size, so none lands inside a timed run."""
+(a kernel the interpreter runs may still fail to compile), that the layer kernels' bfloat16
+conversions round to nearest even there (the interpreter of triton 3.6 truncates), and that
+the values a step changes (the decode split count, the layer) stay run-time arguments: one
+compilation serves every batch size, so none lands inside a timed run."""
 
 import inspect
+import re
 
 import pytest
 
@@ -15,7 +17,9 @@ triton = pytest.importorskip("triton")
 
 PTR = {"pool_ptr": "*bf16", "q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16",
        "out_ptr": "*bf16", "run_off_ptr": "*i64", "slot_ptr": "*i64", "slot_cap_ptr": "*i64",
-       "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "part_acc_ptr": "*fp32"}
+       "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "part_acc_ptr": "*fp32",
+       "x_ptr": "*bf16", "d_ptr": "*bf16", "w_ptr": "*bf16", "qkv_ptr": "*bf16",
+       "cos_ptr": "*bf16", "sin_ptr": "*bf16", "gu_ptr": "*bf16"}
 # Qwen2.5-0.5B's attention: 14 query heads over 2 KV heads of 64, bf16 (the GPU runs' model)
 GEOMETRY = dict(H=14, KVH=2, G=7, D=64, BLOCK_D=64, ALIGN=8, PREC="tf32", UPCAST=False)
 CONSTANTS = {
@@ -24,7 +28,15 @@ CONSTANTS = {
     "decode_direct": dict(GEOMETRY, MIN_CHUNK=0, BLOCK_G=16, BLOCK_N=128, LOG_N=7, DIRECT=True),
     "combine": dict(H=14, D=64, BLOCK_S=16, BLOCK_D=64),
     "prefill": dict(GEOMETRY, TOK=9, BLOCK_M=64, BLOCK_N=64, LOG_N=6),
+    # the fused layers' kernels (layer_kernels.py), at the same model's shapes
+    "add_rms_norm": dict(HAS_D=True, BLOCK=1024),
+    "rope_store": dict(HQ=14, KVH=2, D=64, HALF=32, BLOCK_HQ=16, BLOCK_KV=2, BLOCK_HALF=32,
+                       ALIGN=8),
+    "silu_mul": dict(BLOCK=1024),
 }
+# what rounds fp32 to bfloat16 in them: every conversion to nearest even, as the kernels'
+# rounding (and transformers' modules, which they match) assume
+ROUNDING = {"add_rms_norm", "rope_store", "silu_mul"}
 
 
 def _signature(fn, constants):
@@ -35,7 +47,7 @@ def _signature(fn, constants):
         elif name.endswith("_ptr"):
             sig[name] = PTR.get(name, "*i32")
         else:
-            sig[name] = "fp32" if name == "qk_scale" else "i32"
+            sig[name] = "fp32" if name in ("qk_scale", "eps") else "i32"
     return sig
 
 
@@ -44,7 +56,7 @@ def test_kernel_compiles_for_sm90(name):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    kern = run_kernels._kernels(False)[name.removesuffix("_direct")]
+    kern = run_kernels.kernels(False)[name.removesuffix("_direct")]
     constants = {k: v for k, v in CONSTANTS[name].items()
                  if k in inspect.signature(kern.fn).parameters}
     params = list(inspect.signature(kern.fn).parameters)
@@ -58,13 +70,17 @@ def test_kernel_compiles_for_sm90(name):
             pytest.skip(f"no ptxas here: {exc}")
         raise
     assert compiled.asm["cubin"], "no cubin came out"
+    if name in ROUNDING:
+        to_bf16 = set(re.findall(r"cvt\.(\w+)\.bf16\.f32", compiled.asm["ptx"]))
+        assert to_bf16 == {"rn"}, to_bf16
 
 
 def test_step_values_are_not_specialised():
     """The split count and the layer never pick a kernel variant: a batch size between two
     graph sizes, or an eager mixed step, must reuse what the warm-up compiled."""
-    kernels = run_kernels._kernels(False)
+    kernels = run_kernels.kernels(False)
     assert {"S", "layer"} <= set(kernels["decode"].do_not_specialize)
     assert "S" in kernels["combine"].do_not_specialize
     assert "layer" in kernels["store"].do_not_specialize
     assert "layer" in kernels["prefill"].do_not_specialize
+    assert "layer" in kernels["rope_store"].do_not_specialize

@@ -48,7 +48,7 @@ class Launches(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
     def __enter__(self):
-        kernels = run_kernels._kernels(run_kernels.interpreting())
+        kernels = run_kernels.kernels(run_kernels.interpreting())
         counter = self
 
         class Counted:
@@ -71,7 +71,7 @@ class Launches(TorchDispatchMode):
                 return run
 
         counted = {name: Counted(name, kern) for name, kern in kernels.items()}
-        self._patch = mock.patch.object(run_kernels, "_kernels", lambda interpret: counted)
+        self._patch = mock.patch.object(run_kernels, "kernels", lambda interpret: counted)
         self._patch.start()
         return super().__enter__()
 

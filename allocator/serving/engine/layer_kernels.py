@@ -1,6 +1,6 @@
 """The Triton kernels around the run-table attention: the store of a step's K and V, and the
 fused decoder layers' (allocator/serving/engine/runner.py's FusedLayers); made and launched as
-the attention's are (run_kernels._kernels: on CUDA, or on the CPU under TRITON_INTERPRET=1).
+the attention's are (run_kernels.kernels: on CUDA, or on the CPU under TRITON_INTERPRET=1).
 
 - store_kv: grid (N,): a program writes one token's K and V rows of every kv head.
 
@@ -19,12 +19,12 @@ context):
 from __future__ import annotations
 
 from allocator.serving.engine import run_kernels
-from allocator.serving.engine.run_kernels import _align_of, _next_pow2
+from allocator.serving.engine.run_kernels import align_of, next_pow2
 
 
 def _kernel(name: str):
     """The kernel `name` in the mode TRITON_INTERPRET asks for."""
-    return run_kernels._kernels(run_kernels.interpreting())[name]
+    return run_kernels.kernels(run_kernels.interpreting())[name]
 
 
 def store_kv_triton(pool, k, v, slot, slot_cap, layer, kv_heads, head_dim, align):
@@ -32,8 +32,8 @@ def store_kv_triton(pool, k, v, slot, slot_cap, layer, kv_heads, head_dim, align
     _kernel("store")[(N,)](
         pool, k, v, slot, slot_cap,
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-        layer, KVH=kv_heads, D=head_dim, BLOCK_H=_next_pow2(kv_heads),
-        BLOCK_D=_next_pow2(head_dim), ALIGN=_align_of(align, head_dim, pool.element_size()),
+        layer, KVH=kv_heads, D=head_dim, BLOCK_H=next_pow2(kv_heads),
+        BLOCK_D=next_pow2(head_dim), ALIGN=align_of(align, head_dim, pool.element_size()),
         num_warps=1 if kv_heads * head_dim <= 256 else 4)
 
 
@@ -45,7 +45,7 @@ def add_rms_norm_triton(x, delta, weight, eps: float, out):
         _kernel("add_rms_norm")[(N,)](
             x, x if delta is None else delta, weight, out, x.stride(0),
             0 if delta is None else delta.stride(0), out.stride(0), H, float(eps),
-            HAS_D=delta is not None, BLOCK=_next_pow2(H), num_warps=4 if H >= 1024 else 1)
+            HAS_D=delta is not None, BLOCK=next_pow2(H), num_warps=4 if H >= 1024 else 1)
     return out
 
 
@@ -59,15 +59,15 @@ def rope_store_triton(qkv, cos, sin, pool, slot, slot_cap, layer, heads, kv_head
         _kernel("rope_store")[(N,)](
             qkv, cos, sin, pool, slot, slot_cap, qkv.stride(0), cos.stride(0), sin.stride(0),
             layer, HQ=heads, KVH=kv_heads, D=head_dim, HALF=half,
-            BLOCK_HQ=_next_pow2(heads), BLOCK_KV=_next_pow2(kv_heads),
-            BLOCK_HALF=_next_pow2(half), ALIGN=_align_of(align, head_dim, pool.element_size()),
+            BLOCK_HQ=next_pow2(heads), BLOCK_KV=next_pow2(kv_heads),
+            BLOCK_HALF=next_pow2(half), ALIGN=align_of(align, head_dim, pool.element_size()),
             num_warps=1 if heads * head_dim <= 1024 else 4)
 
 
 def silu_mul_triton(gate_up, out):
     """out [N, I] = silu(gate) * up of gate_up [N, 2 I] (gate first)."""
     N, I2 = gate_up.shape
-    block = min(1024, _next_pow2(I2 // 2))
+    block = min(1024, next_pow2(I2 // 2))
     if N:
         _kernel("silu_mul")[(N, -(-(I2 // 2) // block))](
             gate_up, out, gate_up.stride(0), out.stride(0), I2 // 2, BLOCK=block, num_warps=4)

@@ -25,8 +25,9 @@ tokens' K and V are stored through `slot` int64 [N] (the element offset of the t
 cap), as vLLM's reshape_and_cache.
 
 THE KERNELS (Triton; CUDA, or the CPU under TRITON_INTERPRET=1) are in
-allocator/serving/engine/run_kernels.py: store_kv, decode (flash-decoding over the runs, all G query
-heads of a KV head in one program) and prefill (prompt chunks, causally masked).
+allocator/serving/engine/run_kernels.py: decode (flash-decoding over the runs, all G query heads
+of a KV head in one program) and prefill (prompt chunks, causally masked); store_kv's is in
+layer_kernels.py.
 
 THE TORCH REFERENCE (the default path off CUDA): RunTable.gather_index() turns the run table
 into a token-level index once per step (a handful of torch ops, no loop over requests), which

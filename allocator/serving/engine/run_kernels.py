@@ -35,7 +35,7 @@ Decode tiles are 128 tokens, 4 warps (_decode_config); on an H100, bf16, the dec
 0.77-0.87 over 1-token pages (bench/bench_run_attention.py).
 
 The kernels that store a step's K and V and run a decoder layer around the attention
-(layer_kernels.py) are made by the same _kernels, so that both modes keep their own copies of
+(layer_kernels.py) are made by the same kernels, so that both modes keep their own copies of
 them too.
 """
 
@@ -72,7 +72,7 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
 
 
-def _next_pow2(x: int) -> int:
+def next_pow2(x: int) -> int:
     return 1 << max(0, (int(x) - 1).bit_length())
 
 
@@ -107,12 +107,12 @@ def _decode_config(head_dim: int, dtype) -> dict:
 
 
 def _prefill_config(head_dim: int, group: int) -> dict:
-    block_m = max(64, _next_pow2(group))
+    block_m = max(64, next_pow2(group))
     return dict(BLOCK_M=block_m, BLOCK_N=64 if head_dim <= 64 else 32, num_warps=4,
                 num_stages=2)
 
 
-def _align_of(align: int, head_dim: int, element_size: int) -> int:
+def align_of(align: int, head_dim: int, element_size: int) -> int:
     a = math.gcd(max(1, int(align)), head_dim)
     return math.gcd(a, max(1, 16 // element_size))
 
@@ -128,7 +128,7 @@ def _tl_dtypes(pool, interp):
 def decode_triton(q, pool, runs, layer, kv_heads, head_dim, scale, out, num_splits,
                    config=None):
     interp = interpreting()
-    kern = _kernels(interp)
+    kern = kernels(interp)
     B, H, D = q.shape
     G = H // kv_heads
     if out is None:
@@ -152,21 +152,21 @@ def decode_triton(q, pool, runs, layer, kv_heads, head_dim, scale, out, num_spli
         q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(1), out.stride(2),
         layer, float(scale) * 1.4426950408889634, S,
         H=H, KVH=kv_heads, G=G, D=D, MIN_CHUNK=min_chunk if S > 1 else 0,
-        BLOCK_G=max(16, _next_pow2(G)), BLOCK_D=max(16, _next_pow2(D)), BLOCK_N=block_n,
+        BLOCK_G=max(16, next_pow2(G)), BLOCK_D=max(16, next_pow2(D)), BLOCK_N=block_n,
         LOG_N=block_n.bit_length() - 1,
-        ALIGN=_align_of(runs.align, head_dim, pool.element_size()), DIRECT=S == 1, PREC=prec,
+        ALIGN=align_of(runs.align, head_dim, pool.element_size()), DIRECT=S == 1, PREC=prec,
         UPCAST=upcast, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if S > 1:
         kern["combine"][(B, H)](
             part_m, part_l, part_acc, out, out.stride(0), out.stride(1), out.stride(2), S,
-            H=H, D=D, BLOCK_S=_next_pow2(MAX_SPLITS), BLOCK_D=_next_pow2(D), num_warps=1)
+            H=H, D=D, BLOCK_S=next_pow2(MAX_SPLITS), BLOCK_D=next_pow2(D), num_warps=1)
     return out
 
 
 def prefill_triton(q, pool, runs, q_start, q_len, q_pos, layer, kv_heads, head_dim, scale,
                     max_q_len, config=None):
     interp = interpreting()
-    kern = _kernels(interp)
+    kern = kernels(interp)
     Nq, H, D = q.shape
     G = H // kv_heads
     B = runs.batch
@@ -187,14 +187,14 @@ def prefill_triton(q, pool, runs, q_start, q_len, q_pos, layer, kv_heads, head_d
         q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(1), out.stride(2),
         layer, float(scale) * 1.4426950408889634,
         KVH=kv_heads, G=G, D=D, TOK=tok, BLOCK_M=cfg["BLOCK_M"],
-        BLOCK_D=max(16, _next_pow2(D)), BLOCK_N=block_n, LOG_N=block_n.bit_length() - 1,
-        ALIGN=_align_of(runs.align, head_dim, pool.element_size()), PREC=prec, UPCAST=upcast,
+        BLOCK_D=max(16, next_pow2(D)), BLOCK_N=block_n, LOG_N=block_n.bit_length() - 1,
+        ALIGN=align_of(runs.align, head_dim, pool.element_size()), PREC=prec, UPCAST=upcast,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out
 
 
 # The kernels and their helpers below are plain functions, made Triton functions on first use
-# (_kernels): triton fixes a function's mode (compiled or interpreted, TRITON_INTERPRET) when
+# (kernels): triton fixes a function's mode (compiled or interpreted, TRITON_INTERPRET) when
 # it wraps it, so each mode gets its own copies, whose globals (where a kernel finds its
 # helpers) are a namespace of that mode's: the two modes share nothing. Nor do they
 # call triton's library functions (tl.max, tl.sum, tl.cdiv, tl.zeros: @jit functions of
@@ -205,7 +205,7 @@ def prefill_triton(q, pool, runs, q_start, q_len, q_pos, layer, kv_heads, head_d
 # compile to for fp32 and int32, and which the interpreter recognises and runs in numpy.
 
 @functools.lru_cache(maxsize=None)
-def _kernels(interpret: bool) -> dict:
+def kernels(interpret: bool) -> dict:
     if not triton_available():
         raise BadArgument("the triton attention backend needs triton, which does not import here")
     import triton.language as tl_mod
@@ -231,19 +231,19 @@ def _kernels(interpret: bool) -> dict:
     from allocator.serving.engine import layer_kernels
 
     scope.update((fn.__name__, helper(own(fn))) for fn in layer_kernels.HELPERS)
-    kernels = (("decode", _decode_kernel), ("combine", _combine_kernel),
-               ("prefill", _prefill_kernel), *layer_kernels.KERNELS)
+    every = (("decode", _decode_kernel), ("combine", _combine_kernel),
+             ("prefill", _prefill_kernel), *layer_kernels.KERNELS)
     return {name: make(own(fn), **({} if interpret else
                                     {"do_not_specialize": fixed.get(name, [])}))
-            for name, fn in kernels}
+            for name, fn in every}
 
 
 def compilations() -> int:
     """Kernel variants compiled so far in this process (0 under the interpreter or without
     triton): the engine counts those made during a timed run, whose times they would inflate."""
-    if interpreting() or _kernels.cache_info().currsize == 0 or not triton_available():
+    if interpreting() or kernels.cache_info().currsize == 0 or not triton_available():
         return 0
-    return sum(len(cache[0]) for kern in _kernels(False).values()
+    return sum(len(cache[0]) for kern in kernels(False).values()
                for cache in kern.device_caches.values())
 
 
@@ -264,7 +264,7 @@ def _fix_interpreter() -> None:
     interpreter._patch_lang_tensor = patched
 
 
-tl = None   # triton.language in the namespaces _kernels makes (annotations are strings)
+tl = None   # triton.language in the namespaces kernels makes (annotations are strings)
 
 
 def _decode_kernel(q_ptr, pool_ptr, run_start_ptr, run_off_ptr, run_cap_ptr, run_pos_ptr,
