@@ -74,7 +74,7 @@ def silu_mul_triton(gate_up, out):
     return out
 
 
-tl = None   # triton.language in the namespaces _kernels makes (annotations are strings)
+tl = None   # triton.language in run_kernels.kernels()'s namespaces (annotations are strings)
 
 
 def _kv_rows(slot_ptr, slot_cap_ptr, n, offs_h, layer, KVH: tl.constexpr, D: tl.constexpr,

@@ -35,7 +35,7 @@ Decode tiles are 128 tokens, 4 warps (_decode_config); on an H100, bf16, the dec
 0.77-0.87 over 1-token pages (bench/bench_run_attention.py).
 
 The kernels that store a step's K and V and run a decoder layer around the attention
-(layer_kernels.py) are made by the same kernels, so that both modes keep their own copies of
+(layer_kernels.py) are made by the same kernels(), so that both modes keep their own copies of
 them too.
 """
 
@@ -194,7 +194,7 @@ def prefill_triton(q, pool, runs, q_start, q_len, q_pos, layer, kv_heads, head_d
 
 
 # The kernels and their helpers below are plain functions, made Triton functions on first use
-# (kernels): triton fixes a function's mode (compiled or interpreted, TRITON_INTERPRET) when
+# (kernels()): triton fixes a function's mode (compiled or interpreted, TRITON_INTERPRET) when
 # it wraps it, so each mode gets its own copies, whose globals (where a kernel finds its
 # helpers) are a namespace of that mode's: the two modes share nothing. Nor do they
 # call triton's library functions (tl.max, tl.sum, tl.cdiv, tl.zeros: @jit functions of
@@ -264,7 +264,7 @@ def _fix_interpreter() -> None:
     interpreter._patch_lang_tensor = patched
 
 
-tl = None   # triton.language in the namespaces kernels makes (annotations are strings)
+tl = None   # triton.language in the namespaces kernels() makes (annotations are strings)
 
 
 def _decode_kernel(q_ptr, pool_ptr, run_start_ptr, run_off_ptr, run_cap_ptr, run_pos_ptr,
