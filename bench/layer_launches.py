@@ -1,6 +1,6 @@
 """Kernel launches of one decode step, by decoder layer and for the rest of the step, with the
 fused layers and with transformers' modules, for the shipped model configs (random weights,
-a small vocabulary: the count does not depend on sizes). Counted on the CPU with the Triton
+small sizes: the count does not depend on them). Counted on the CPU with the Triton
 kernels under TRITON_INTERPRET=1 (set here), or on a GPU: the same operators and kernels run.
 
     .venv/bin/python bench/layer_launches.py [--models tiny-qwen2,qwen2.5-0.5b]
@@ -59,7 +59,6 @@ def _shrunk(cfg):
     small.head_dim = 16
     small.hidden_size = 64
     small.intermediate_size = 128
-    small.vocab_size = 512
     return small
 
 

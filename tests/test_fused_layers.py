@@ -25,6 +25,7 @@ from allocator.serving.engine.launches import decode_step_launches  # noqa: E402
 from allocator.serving.engine.runner import FusedLayers, Runner  # noqa: E402
 from odma_cli.errors import BadArgument  # noqa: E402
 from odma_cli.main import main  # noqa: E402
+from test_hf_reference import reference  # noqa: E402
 
 # bfloat16 keeps 8 bits of mantissa: where the kernel and torch reduce in another order, an
 # intermediate may round one unit of the last place apart, and two roundings after it (the
@@ -113,13 +114,6 @@ def test_silu_mul_is_silu_of_gate_times_up(tri, dtype, inter):
 
 
 # ----------------------------------------------------------------------------- the engine
-def reference(model, prompts, gen):
-    return [model.generate(p[None].to(model.device), max_new_tokens=g, min_new_tokens=g,
-                           do_sample=False, eos_token_id=None,
-                           pad_token_id=0)[0, p.numel():].tolist()
-            for p, g in zip(prompts, gen)]
-
-
 @pytest.mark.parametrize("name,policy,chunk", [
     ("tiny-qwen2", "odma", None), ("tiny-qwen2", "paged", 16), ("tiny-llama", "extent", None),
     ("tiny-llama", "static", 16)], ids=["qwen2-odma", "qwen2-paged-chunked", "llama-extent",

@@ -37,8 +37,8 @@ def reference(model, prompts, gen):
     """generate()'s greedy tokens with end-of-sequence off, as serve() and run_hf make them."""
     out = []
     for p, g in zip(prompts, gen):
-        ids = model.generate(p[None], max_new_tokens=g, min_new_tokens=g, do_sample=False,
-                             eos_token_id=None, pad_token_id=0)
+        ids = model.generate(p[None].to(model.device), max_new_tokens=g, min_new_tokens=g,
+                             do_sample=False, eos_token_id=None, pad_token_id=0)
         out.append(ids[0, p.numel():].tolist())
     return out
 

@@ -274,6 +274,18 @@ def head_dim(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
+def with_layers(config, layers: int):
+    """A copy of `config` with `layers` decoder layers (calibration and launch counts run models
+    cut, or grown, to a few layers); a per-layer list (layer_types) is cut to match, or grown
+    with its first entry."""
+    cut = type(config).from_dict(config.to_dict())
+    cut.num_hidden_layers = layers
+    types = getattr(cut, "layer_types", None)
+    if types:
+        cut.layer_types = (list(types) + [types[0]] * layers)[:layers]
+    return cut
+
+
 def kv_bytes_per_token(config, dtype: str) -> int:
     """K and V of every layer and KV head, in the model's dtype."""
     return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim(config) * \

@@ -143,10 +143,9 @@ def _engine(torch, dev, dtype, config, layers, blocks, max_len, max_batch, seed)
     from allocator.serving.engine.kv_runs import KVPool
     from allocator.serving.engine.runner import Runner, make_graphs
     from allocator.serving.engine.serve import build_model, use_graphs
-    from allocator.serving.models import head_dim, kv_bytes_per_token
+    from allocator.serving.models import head_dim, kv_bytes_per_token, with_layers
 
-    config = type(config).from_dict(config.to_dict())
-    config.num_hidden_layers = layers
+    config = with_layers(config, layers)
     model = build_model(config, dtype, str(dev["device"]), seed)
     bpt = kv_bytes_per_token(config, dtype)
     alloc_config = AllocatorConfig(background_refresh=False)
@@ -252,12 +251,11 @@ def measure_loop(torch, dev: dict, dtype: str, config, effort: Effort, seed: int
     measure_steps) is the loop's, fitted as per step + batch x per request (>= 0). The first
     step, the prompts', is left out of both."""
     from allocator.serving.engine.serve import build_model, serve
-    from allocator.serving.models import kv_bytes_per_token
+    from allocator.serving.models import kv_bytes_per_token, with_layers
 
     layers = min(effort.fit_layers)
     short = min(q["context"] for q in decode)
-    cut = type(config).from_dict(config.to_dict())
-    cut.num_hidden_layers = layers
+    cut = with_layers(config, layers)
     model = build_model(cut, dtype, str(dev["device"]), seed)
     rng = np.random.default_rng(seed)
     points = []

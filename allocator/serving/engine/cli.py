@@ -42,6 +42,7 @@ def prepare(args):
     from allocator.serving.core.checks import check_scheduling
     from allocator.serving.engine.hf_reference import check_memory_probe
     from allocator.serving.engine.run_attention import attention_backend
+    from allocator.serving.engine.runner import check_fused
     from allocator.serving.engine.serve import use_graphs
     from allocator.serving.options import check_options_used, parse_policies
     from allocator.serving.sim.replica import check_pool
@@ -67,9 +68,7 @@ def prepare(args):
                               f"engine does not run (one of {', '.join(DTYPES)})")
     backend = attention_backend(device, None if args.attention == "auto" else args.attention)
     use_graphs(args.cuda_graphs, device, backend)
-    if args.fused_layers == "on" and backend != "triton":
-        raise BadArgument(f"--fused-layers on needs the Triton kernels (here: {device}, "
-                          f"{backend} attention)")
+    check_fused(args.fused_layers, backend)
     if "hf" in policies:
         import torch
 

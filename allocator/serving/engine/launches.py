@@ -15,7 +15,6 @@ compilations (which reads the kernels' own caches) would not work there.
 from __future__ import annotations
 
 import collections
-import copy
 from unittest import mock
 
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -99,10 +98,7 @@ def decode_step_launches(config, backend: str, fused: str, device: str = "cpu",
 
     counts = []
     for layers in (2, 4):
-        cut = copy.deepcopy(config)
-        cut.num_hidden_layers = layers
-        if getattr(cut, "layer_types", None):
-            cut.layer_types = cut.layer_types[:1] * layers
+        cut = models.with_layers(config, layers)
         model = build_model(cut, "float32", device, seed=0)
         bpt = models.kv_bytes_per_token(cut, "float32")
         alloc = make_allocator("odma", f"torch:{device}", batch * 64 * bpt, bpt, 32,

@@ -35,6 +35,7 @@ from odma_cli.errors import BadArgument, one_line
 
 from allocator.serving.engine import layer_kernels, run_attention
 from allocator.serving.engine.kv_runs import KVPool
+from allocator.serving.models import head_dim
 
 
 def dense_attention():
@@ -204,6 +205,16 @@ class Runner:
         return logits[torch.from_numpy(np.argsort(order)).to(logits.device)]
 
 
+def check_fused(fused: str, backend: str) -> None:
+    """BadArgument, in one line, for a --fused-layers value (auto, on, off) that cannot be had
+    with this attention backend: the fused layers run on the Triton path only."""
+    if fused not in ("auto", "on", "off"):
+        raise BadArgument(f"--fused-layers takes auto, on or off, not {fused!r}")
+    if fused == "on" and backend != "triton":
+        raise BadArgument(f"--fused-layers on needs the Triton kernels (here: {backend} "
+                          "attention)")
+
+
 class FusedLayers:
     """A decoder stack of q/k/v, o, gate/up, down projections, RMSNorms and rotary (Llama,
     Qwen2, Mistral) run in about ten launches a layer on the Triton path: q, k, v joined into
@@ -238,9 +249,8 @@ class FusedLayers:
             return f"its activation is {getattr(cfg, 'hidden_act', None)!r}, not silu"
         inner = getattr(model, "model", None)
         rot = getattr(inner, "rotary_emb", None)
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         if rot is None or getattr(rot, "inv_freq", None) is None \
-                or rot.inv_freq.numel() * 2 != head_dim:
+                or rot.inv_freq.numel() * 2 != head_dim(cfg):
             return "its rotary embedding does not turn the whole head"
         want = {"self_attn": {"q_proj", "k_proj", "v_proj", "o_proj"},
                 "mlp": {"gate_proj", "up_proj", "down_proj", "act_fn"}}
@@ -263,12 +273,10 @@ class FusedLayers:
         """The model's FusedLayers (made once a model) where `fused` ("auto", "on", "off") and
         the backend allow: "auto" fuses on the Triton path where the model fits; "on" refuses
         in one line where it cannot."""
-        if fused not in ("auto", "on", "off"):
-            raise BadArgument(f"--fused-layers takes auto, on or off, not {fused!r}")
-        if fused == "off":
+        check_fused(fused, backend)
+        if fused == "off" or backend != "triton":       # the torch path runs the modules
             return None
-        why = (None if backend == "triton" else f"the {backend} attention path runs "
-               "transformers' modules") or cls.why_not(model)
+        why = cls.why_not(model)
         if why is not None:
             if fused == "on":
                 raise BadArgument(f"--fused-layers on: not for this run: {why}")
