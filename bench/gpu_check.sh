@@ -95,6 +95,10 @@ step speed32 150 $E --trace "$R/t32.csv" --max-batch $MB --kv-pool-gb $(gb $POOL
 # the launches a layer costs, side by side on the card
 step speed32_modules 50 $E --fused-layers off --trace "$R/t32.csv" --max-batch $MB \
   --kv-pool-gb $(gb $POOL) --policy odma,paged --json
+# and with whole prompts over the run tables (one launch a layer) in place of flash attention
+# per prompt: which the prefill steps should use
+step speed32_prompt_runs 50 $E --prompt-attention runs --trace "$R/t32.csv" --max-batch $MB \
+  --kv-pool-gb $(gb $POOL) --policy odma,paged --json
 # 4. the full run: 256 requests, prompts <= 2048, outputs <= 256, max batch 128, a 4 GB pool
 # (odma first, as on the runs where it trailed static; each row counts the kernels compiled
 # inside its timed run)

@@ -68,17 +68,17 @@ def fidelity(folder: Path) -> list[str]:
 
 def speed(folder: Path) -> list[str]:
     lines = []
-    for run in ("speed32", "speed32_modules", "speed32_chunked", "full256", "full256_rev",
-                "full256_hf", "speed32_hf_graphs"):
+    for run in ("speed32", "speed32_modules", "speed32_prompt_runs", "speed32_chunked",
+                "full256", "full256_rev", "full256_hf", "speed32_hf_graphs"):
         doc = load(folder / f"{run}.out")
         if not doc:
             continue
         for p, r in by_policy(doc).items():
             m = metrics(r)
-            lines.append(f"{run:18s} {p:8s} {m[0]:9.1f} tok/s  TTFT p50 {m[1]:8.1f} ms  "
+            lines.append(f"{run:19s} {p:8s} {m[0]:9.1f} tok/s  TTFT p50 {m[1]:8.1f} ms  "
                          f"TPOT p50 {m[2]:6.2f} ms p99 {m[3]:6.2f} ms  graphs "
                          f"{r.get('cuda_graphs')}  attention {r.get('attention')}  "
-                         f"fused {r.get('fused_layers')}  "
+                         f"fused {r.get('fused_layers')}  prompts {r.get('prompt_attention')}  "
                          f"compiled in run {r.get('kernel_compiles', '-')}")
     eng = by_policy(load(folder / "speed32.out"))
     hf_graphs = by_policy(load(folder / "speed32_hf_graphs.out")).get("hf")

@@ -21,7 +21,7 @@ from allocator.serving import models  # noqa: E402
 from allocator.serving.engine import layer_kernels, run_attention  # noqa: E402
 from allocator.serving.engine import serve as te  # noqa: E402
 from allocator.serving.engine.kv_runs import KVPool  # noqa: E402
-from allocator.serving.engine.launches import decode_step_launches  # noqa: E402
+from allocator.serving.engine.launches import step_launches  # noqa: E402
 from allocator.serving.engine.runner import FusedLayers, Runner  # noqa: E402
 from odma_cli.errors import BadArgument  # noqa: E402
 from odma_cli.main import main  # noqa: E402
@@ -148,8 +148,8 @@ def test_a_fused_decode_layer_is_ten_launches_or_fewer(tri):
     """norm, qkv, rotary with the store, attention (a second launch where the context is
     split), o, add-norm, gate/up, silu-mul, down: 9 or 10; the modules make four times that."""
     cfg, _ = models.load_config("tiny-qwen2")
-    fused, rest, kinds = decode_step_launches(cfg, "triton", "on", tri)
-    modules, _, _ = decode_step_launches(cfg, "triton", "off", tri)
+    fused, rest, kinds = step_launches(cfg, "triton", "on", tri)
+    modules, _, _ = step_launches(cfg, "triton", "off", tri)
     # every layer's launches counted, the layer kernels' among them (4 layers, a final norm)
     assert kinds["triton:rope_store"] == 4 and kinds["triton:add_rms_norm"] == 9
     assert fused <= 10, fused

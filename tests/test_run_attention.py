@@ -405,6 +405,12 @@ def test_strided_queries(backend, request):
     got = ra.prefill_attention(qs, sc.pool, sc.runs, *qc[1:], LAYER, 2, 16, 0.25,
                                backend=backend)
     close(got, dense_prefill(sc, *qc, 0.25), torch.float32)
+    # written into a strided `out` (the engine's rows of its step's output), every row a chunk's
+    out = torch.full((4, qs.shape[0], 16), float("nan"), device=device).transpose(0, 1)
+    got = ra.prefill_attention(qs, sc.pool, sc.runs, *qc[1:], LAYER, 2, 16, 0.25, out,
+                               backend=backend)
+    assert got is out
+    close(out, dense_prefill(sc, *qc, 0.25), torch.float32)
 
 
 def test_triton_aligned_offsets(tri):

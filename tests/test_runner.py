@@ -218,3 +218,45 @@ def test_a_failed_capture_runs_eagerly_after_one_line():
         assert runner.prefill([(0, [3, 4, 5, 6, 7])]).shape == (1, cfg.vocab_size)
     finally:
         alloc.close()
+
+
+@pytest.mark.parametrize("attention,policy,chunk", [
+    ("torch", "extent", None), ("triton", "odma", None), ("triton", "paged", 16)],
+    ids=["torch-extent", "triton-odma", "triton-paged-chunked"])
+def test_whole_prompts_over_run_tables_make_generates_tokens(request, attention, policy, chunk):
+    """--prompt-attention runs: whole prompts (and first chunks) go with the chunks through the
+    run-table prefill kernel, reading back the K and V just stored, in place of a dense
+    attention per prompt; the tokens are still generate()'s, on both backends."""
+    from allocator.serving.engine import serve as te
+    from test_hf_reference import reference
+
+    device = request.getfixturevalue("tri") if attention == "triton" else "cpu"
+    cfg, _ = models.load_config("tiny-llama")
+    model = te.build_model(cfg, "float32", device, seed=0)
+    rng = np.random.default_rng(7)
+    prompts = te.prompt_ids(6, rng.integers(1, 30, 6), cfg.vocab_size, 7)
+    gen = [int(g) for g in rng.integers(1, 8, 6)]
+    bpt = models.kv_bytes_per_token(cfg, "float32")
+    run = te.serve(model, prompts, gen, np.zeros(len(gen)), policy, pool_bytes=300 * bpt,
+                   max_model_len=48, max_batch=4, page_tokens=4, max_batched_tokens=chunk,
+                   attention=attention, prompt_attention="runs",
+                   config=AllocatorConfig(background_refresh=False, token_alignment=4,
+                                          extent_knee_tokens=4, extent_max=4))
+    assert run["prompt_attention"] == "runs"
+    assert run["tokens"] == reference(model, prompts, gen)
+
+
+def test_whole_prompts_over_run_tables_are_one_launch_a_layer_for_any_prompt_count(tri):
+    """A prefill step's layer: the dense attention costs two launches a prompt (the attention,
+    the copy into the step's rows); over run tables, one for all of them, and the fused layer is
+    then the decode step's nine launches."""
+    from allocator.serving.engine.launches import step_launches
+
+    cfg, _ = models.load_config("tiny-qwen2")
+    dense = [step_launches(cfg, "triton", "on", tri, n, "prefill", "dense")[0] for n in (2, 6)]
+    runs = [step_launches(cfg, "triton", "on", tri, n, "prefill", "runs") for n in (2, 6)]
+    assert dense[1] - dense[0] >= 2 * 4
+    assert runs[0][0] == runs[1][0] <= 10
+    assert runs[1][2]["triton:prefill"] == 4             # one a layer (the 4-layer count)
+    with pytest.raises(BadArgument, match="--prompt-attention"):
+        step_launches(cfg, "triton", "on", tri, 2, "prefill", "flash")

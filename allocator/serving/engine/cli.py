@@ -216,6 +216,7 @@ def compute(args, results: list | None = None, failed: list | None = None) -> di
               max_model_len=p["max_model_len"], max_batch=args.max_batch,
               page_tokens=args.page_tokens, config=p["alloc_config"], attention=p["attention"],
               cuda_graphs=args.cuda_graphs, fused_layers=args.fused_layers,
+              prompt_attention=args.prompt_attention,
               max_batched_tokens=args.max_num_batched_tokens)
     for policy in p["policies"]:
         show = progress(policy) if not args.json or os.isatty(2) else None
@@ -237,6 +238,7 @@ def compute(args, results: list | None = None, failed: list | None = None) -> di
                             swap_bytes=int(args.swap_space * 1e9), cobatch=args.cobatch,
                             seed=args.seed, progress=show, attention=p["attention"],
                             cuda_graphs=args.cuda_graphs, fused_layers=args.fused_layers,
+                            prompt_attention=args.prompt_attention,
                             keep_logits=args.check, config=p["alloc_config"])
         except (OdmaError, RuntimeError, MemoryError) as exc:
             if failed is None:
@@ -247,6 +249,7 @@ def compute(args, results: list | None = None, failed: list | None = None) -> di
         r["attention"] = run.get("attention")       # hf: None (transformers' own)
         r["cuda_graphs"] = run.get("cuda_graphs")   # hf: (varlen, decode) as it settled them
         r["fused_layers"] = run.get("fused_layers")  # hf: None (transformers' modules)
+        r["prompt_attention"] = run.get("prompt_attention")     # hf: None (its own)
         warn_disturbed(r, run, policy, load)
         # the KV the run kept its cache in: hf sizes its own, whatever --kv-pool-mb says
         r["kv_cache_mb"] = (run["allocator"]["cache_bytes"] / 1e6 if policy == "hf"
@@ -453,6 +456,15 @@ def register(subparsers) -> None:
                    help="seeds the weights, the prompts and the arrivals (default 0)")
     p.add_argument("--check", action="store_true",
                    help="compare every token and its logits with transformers' forward")
+    _add_forward_arguments(p)
+    add_goodput_argument(p)
+    add_preset_argument(p)
+    p.add_argument("--json", action="store_true", help=f"print one JSON object ({SCHEMA})")
+    p.set_defaults(func=_cmd)
+
+
+def _add_forward_arguments(p) -> None:
+    """The options of how the forward pass runs: kernels, graphs, fused layers, prompts."""
     p.add_argument("--attention", default="auto", choices=("auto", "triton", "torch"),
                    help="the run-table attention kernels: triton (GPU kernels, needs the "
                         "'kernels' extra), torch (batched torch ops, the CPU's) or auto "
@@ -467,7 +479,8 @@ def register(subparsers) -> None:
                         "silu with the product) instead of transformers' modules' 35; auto: "
                         "with the triton kernels, where the model's layers allow (Llama, Qwen2, "
                         "Mistral); off to compare")
-    add_goodput_argument(p)
-    add_preset_argument(p)
-    p.add_argument("--json", action="store_true", help=f"print one JSON object ({SCHEMA})")
-    p.set_defaults(func=_cmd)
+    p.add_argument("--prompt-attention", default="dense", choices=("dense", "runs"),
+                   help="how whole prompts attend: dense (a causal attention per prompt over "
+                        "its own K and V, flash on a GPU; default) or runs (with the prompt "
+                        "chunks, through the run-table prefill kernel: one launch a layer for "
+                        "every prompt of a step, K and V read back from the pool)")

@@ -81,12 +81,14 @@ class Launches(TorchDispatchMode):
             self._patch.stop()
 
 
-def decode_step_launches(config, backend: str, fused: str, device: str = "cpu",
-                         batch: int = 4) -> tuple[int, int, collections.Counter]:
+def step_launches(config, backend: str, fused: str, device: str = "cpu", batch: int = 4,
+                  step: str = "decode", prompts: str = "dense") -> tuple[int, int,
+                                                                       collections.Counter]:
     """(launches a layer, launches of the rest of the step, the 4-layer step's launches by
-    name) of one decode step of `batch` requests with 9 tokens of context, on the model of
-    `config` (random weights, float32): the same step counted on the model cut to 2 and to 4
-    layers, so the layer's count is exact."""
+    name) of one step on the model of `config` (random weights, float32): a decode step of
+    `batch` requests with 9 tokens of context, or (step="prefill") a step of `batch` whole
+    prompts of 9 tokens, attending per `prompts` (runner.PROMPT_ATTENTION). The same step is
+    counted on the model cut to 2 and to 4 layers, so the layer's count is exact."""
     import torch
 
     from allocator.config import AllocatorConfig
@@ -105,12 +107,17 @@ def decode_step_launches(config, backend: str, fused: str, device: str = "cpu",
                                AllocatorConfig(background_refresh=False))
         try:
             runner = Runner(model, KVPool(alloc, cut, torch.float32, models.head_dim(cut)),
-                            backend, fused)
+                            backend, fused, prompts)
             for i in range(batch):
                 alloc.reserve(i, 16, 4.0, 0.0)
-            runner.prefill([(i, list(range(3, 12))) for i in range(batch)])
+            prefill = [(i, list(range(3, 12))) for i in range(batch)]
+            if step == "decode":
+                runner.prefill(prefill)
             with Launches() as n:
-                runner.decode(list(range(5, 5 + batch)), [9] * batch, list(range(batch)))
+                if step == "decode":
+                    runner.decode(list(range(5, 5 + batch)), [9] * batch, list(range(batch)))
+                else:
+                    runner.prefill(prefill)
             counts.append(n.total)
         finally:
             alloc.close()

@@ -457,13 +457,14 @@ def decode_attention(q, pool, runs: RunTable, layer: int, kv_heads: int, head_di
 
 
 def prefill_attention(q, pool, runs: RunTable, q_start, q_len, q_pos, layer: int,
-                      kv_heads: int, head_dim: int, scale: float, *,
+                      kv_heads: int, head_dim: int, scale: float, out=None, *,
                       backend: str | None = None, max_q_len: int | None = None,
                       config: dict | None = None):
     """Prompt chunks: q packed [Nq, H, D]; request b's queries are rows q_start[b] ..
     q_start[b] + q_len[b] - 1 at positions q_pos[b] .. q_pos[b] + q_len[b] - 1 (int32 device
     tensors [B]); each attends causally over the request's KV positions <= its own (its chunk's
-    K/V already stored). [Nq, H, D] in q's dtype; rows no request names are zeros. The Triton
+    K/V already stored). [Nq, H, D] in q's dtype, rows no request names zeros; written into `out`
+    when given (such rows then unspecified). The Triton
     grid depends on max(q_len): pass max_q_len to spare the host sync. config overrides the
     Triton kernel's tiles (_prefill_config: BLOCK_M, BLOCK_N, num_warps, num_stages)."""
     _check(q, pool, kv_heads, head_dim, "prefill_attention")
@@ -473,8 +474,12 @@ def prefill_attention(q, pool, runs: RunTable, q_start, q_len, q_pos, layer: int
                           f"{runs.batch}")
     if _pick(backend, q.device) == "triton":
         return prefill_triton(q, pool, runs, q_start, q_len, q_pos, layer, kv_heads, head_dim,
-                               scale, max_q_len, config)
-    return _prefill_torch(q, pool, runs, q_start, q_len, q_pos, layer, kv_heads, head_dim,
-                          scale)
+                               scale, max_q_len, config, out)
+    res = _prefill_torch(q, pool, runs, q_start, q_len, q_pos, layer, kv_heads, head_dim,
+                         scale)
+    if out is None:
+        return res
+    out.copy_(res)
+    return out
 
 

@@ -164,13 +164,14 @@ def decode_triton(q, pool, runs, layer, kv_heads, head_dim, scale, out, num_spli
 
 
 def prefill_triton(q, pool, runs, q_start, q_len, q_pos, layer, kv_heads, head_dim, scale,
-                    max_q_len, config=None):
+                    max_q_len, config=None, out=None):
     interp = interpreting()
     kern = kernels(interp)
     Nq, H, D = q.shape
     G = H // kv_heads
     B = runs.batch
-    out = torch.zeros(Nq, H, D, dtype=q.dtype, device=q.device)
+    if out is None:
+        out = torch.zeros(Nq, H, D, dtype=q.dtype, device=q.device)
     if Nq == 0 or B == 0:
         return out
     cfg = dict(_prefill_config(head_dim, G), **(config or {}))

@@ -7,7 +7,9 @@ chunks that continue a context, then whole prompts. Per layer the step stores th
 its tokens with one scatter (slots from the run tables, as vLLM's reshape_and_cache) and attends
 in at most three calls: the decodes through the run-table decode kernel, the chunks through the
 run-table prefill kernel, and each whole prompt through a dense causal attention over its own K
-and V (compute-bound: nothing to read back). The tables are built once per step on the host
+and V (compute-bound: nothing to read back; prompts="dense"), or, with prompts="runs", the
+whole prompts with the chunks, as chunks from position 0: one launch a layer for all of them
+where the dense attention is a call per prompt. The tables are built once per step on the host
 (allocator/serving/engine/kv_runs.py) and moved to the device before the first layer; nothing inside
 the layers waits for the host, and the step's one synchronisation is reading its tokens back.
 
@@ -49,6 +51,11 @@ def dense_attention():
                         SDPBackend.MATH])
 
 
+# how whole prompts attend: a dense causal attention per prompt over its own K and V, or with
+# the chunks through the run-table prefill kernel (one launch a layer, K and V read back)
+PROMPT_ATTENTION = ("dense", "runs")
+
+
 def graph_sizes(max_batch: int) -> list[int]:
     """The padded batch sizes decode graphs are captured for: 1, 2, 4, 8, then steps of 8."""
     return [s for s in (1, 2, 4) if s < max_batch] + list(range(8, max_batch, 8)) + [max_batch]
@@ -56,10 +63,16 @@ def graph_sizes(max_batch: int) -> list[int]:
 
 class Runner:
     """Batched steps of `model` over the KV in `kv` with attention `backend` ("torch" or
-    "triton"); decode steps from CUDA graphs when `graphs` is a DecodeGraphs."""
+    "triton"), whole prompts attending per `prompts` (PROMPT_ATTENTION); decode steps from CUDA
+    graphs when `graphs` is a DecodeGraphs."""
 
-    def __init__(self, model, kv: KVPool, backend: str = "torch", fused: str = "auto"):
+    def __init__(self, model, kv: KVPool, backend: str = "torch", fused: str = "auto",
+                 prompts: str = "dense"):
+        if prompts not in PROMPT_ATTENTION:
+            raise BadArgument(f"--prompt-attention takes {' or '.join(PROMPT_ATTENTION)}, not "
+                              f"{prompts!r}")
         self.model = model
+        self.dense_prompts = prompts == "dense"
         self.inner = model.model
         self.kv = kv
         self.backend = backend
@@ -132,7 +145,7 @@ class Runner:
         decode is one token after its context, a prompt chunk several after one, a whole prompt
         starts at 0. The logits of each one's last token, (len(batch), vocab), in batch order."""
         sizes = [len(ids) for _, ids, _ in batch]
-        kind = [0 if start and n == 1 else 1 if start else 2
+        kind = [0 if start and n == 1 else 1 if start or not self.dense_prompts else 2
                 for (_, _, start), n in zip(batch, sizes)]
         order = sorted(range(len(batch)), key=kind.__getitem__)
         batch = [batch[j] for j in order]
@@ -171,10 +184,11 @@ class Runner:
             o = torch.empty_like(q)
             if n_dec:
                 o[:n_dec] = decode(layer, q, k, v)
-            if n_chunk:
-                o[chunk_rows] = run_attention.prefill_attention(
+            if n_chunk:                  # every row of chunk_rows is a chunk's
+                run_attention.prefill_attention(
                     q[chunk_rows], self.kv.flat, runs_chunk, *chunk_q, layer, self.kv_heads,
-                    self.head_dim, self.scale, backend=self.backend, max_q_len=longest_chunk)
+                    self.head_dim, self.scale, o[chunk_rows], backend=self.backend,
+                    max_q_len=longest_chunk)
             if prompts:                  # whole prompts: their own K and V, no read back
                 with dense_attention():
                     for a, b in prompts:
@@ -336,9 +350,11 @@ class FusedLayers:
 
 class DecodeGraphs:
     """CUDA graphs of decode-only steps, one per padded batch size, sharing one memory pool;
-    each step copies its ids, positions, slots and run tables into static buffers and replays
-    the graph of the smallest size that holds it. A step whose tables outgrow the buffers runs
-    eagerly (decode() returns None)."""
+    each step stages its ids, positions, slots and run tables in one pinned host buffer, copies
+    them into the static device buffers (views of one device buffer of the same layout: the
+    per-request values in one copy, each run array's used part in one) and replays the graph
+    of the smallest size that holds it. A step whose tables outgrow the buffers runs eagerly
+    (decode() returns None)."""
 
     def __init__(self, runner: Runner, max_batch: int, max_runs: int):
         self.runner = runner
@@ -347,31 +363,44 @@ class DecodeGraphs:
         top = self.sizes[-1]
         self.max_runs = max_runs
         i32, i64 = torch.int32, torch.int64
-        self.ids = torch.zeros(top, dtype=i64, device=dev)
-        self.pos = torch.zeros(top, dtype=i64, device=dev)
-        self.slot = torch.full((top,), -1, dtype=i64, device=dev)
-        self.slot_cap = torch.ones(top, dtype=i64, device=dev)
-        self.tables = {
-            "run_start": torch.zeros(top + 1, dtype=i32, device=dev),
-            "run_off": torch.zeros(max_runs, dtype=i64, device=dev),
-            "run_cap": torch.ones(max_runs, dtype=i32, device=dev),
-            "run_len": torch.zeros(max_runs, dtype=i32, device=dev),
-            "run_pos": torch.zeros(max_runs, dtype=i32, device=dev),
-            "ctx_len": torch.zeros(top, dtype=i32, device=dev)}
+        # the per-request fields first (copied whole), then the run arrays (their used part)
+        fields = [("ids", i64, top), ("pos", i64, top), ("slot", i64, top),
+                  ("slot_cap", i64, top), ("run_start", i32, top + 1), ("ctx_len", i32, top),
+                  ("run_off", i64, max_runs), ("run_cap", i32, max_runs),
+                  ("run_len", i32, max_runs), ("run_pos", i32, max_runs)]
+        at, spans = 0, {}
+        for name, dtype, n in fields:
+            spans[name] = (at, dtype, n)
+            at += -(-n * dtype.itemsize // STAGE_ALIGN) * STAGE_ALIGN
+            if name == "ctx_len":
+                self.per_request_bytes = at
+        self.host_bytes = torch.zeros(at, dtype=torch.uint8, pin_memory=dev.type == "cuda")
+        self.device_bytes = torch.zeros(at, dtype=torch.uint8, device=dev)
+        self.staged, self.on_device, self.on_host = {}, {}, {}
+        for name, (a, dtype, n) in spans.items():
+            self.staged[name] = self.host_bytes[a:a + n * dtype.itemsize].view(dtype)
+            self.on_device[name] = self.device_bytes[a:a + n * dtype.itemsize].view(dtype)
+            self.on_host[name] = self.staged[name].numpy()      # the same bytes, for numpy
+        self.on_host["slot"][:] = -1
+        self.on_host["slot_cap"][:] = 1
+        self.on_host["run_cap"][:] = 1
+        self.device_bytes.copy_(self.host_bytes)
+        # the staged values of a step are not written over before its copies are done
+        self.copied = torch.cuda.Event() if dev.type == "cuda" else None
         self.graphs: dict = {}
         self.logits: dict = {}
         self.pool = None
 
     def _static(self, size):
-        t = self.tables
+        t = self.on_device
         return self.runner.run_table(
             run_start=t["run_start"][:size + 1], run_off=t["run_off"], run_cap=t["run_cap"],
             run_len=t["run_len"], run_pos=t["run_pos"], ctx_len=t["ctx_len"][:size])
 
     def _forward(self, size):
-        r = self.runner
-        hidden = r.layers(self.ids[:size], self.pos[:size], self.slot[:size],
-                          self.slot_cap[:size], r._decode_attend(self._static(size), size))
+        r, t = self.runner, self.on_device
+        hidden = r.layers(t["ids"][:size], t["pos"][:size], t["slot"][:size],
+                          t["slot_cap"][:size], r._decode_attend(self._static(size), size))
         return r.model.lm_head(hidden)
 
     @torch.no_grad()
@@ -401,27 +430,33 @@ class DecodeGraphs:
         if tables.run_off.size > self.max_runs:
             return None
         size = next(s for s in self.sizes if s >= n)
+        if self.copied is not None:
+            self.copied.synchronize()
+        h = self.on_host
+        h["ids"][:n] = [int(t[0]) for _, t, _ in batch]
+        h["pos"][:n] = [s for _, _, s in batch]
         # padded lanes: no slot (their K and V are not stored), no runs (attention zeros)
-        slot = np.full(size, -1, dtype=np.int64)
-        slot[:n] = tables.slot
-        start = np.full(size + 1, tables.run_start[-1], dtype=np.int32)
-        start[:n + 1] = tables.run_start
-        ctx = np.zeros(size, dtype=np.int32)
-        ctx[:n] = tables.ctx_len
+        h["slot"][:size] = -1
+        h["slot"][:n] = tables.slot
+        h["slot_cap"][:n] = tables.slot_cap
+        h["run_start"][:size + 1] = tables.run_start[-1]
+        h["run_start"][:n + 1] = tables.run_start
+        h["ctx_len"][:size] = 0
+        h["ctx_len"][:n] = tables.ctx_len
         runs = tables.run_off.size
-        for dst, src in ((self.ids[:n], np.array([int(t[0]) for _, t, _ in batch])),
-                         (self.pos[:n], np.array([s for _, _, s in batch])),
-                         (self.slot[:size], slot), (self.slot_cap[:n], tables.slot_cap),
-                         (self.tables["run_start"][:size + 1], start),
-                         (self.tables["ctx_len"][:size], ctx),
-                         *((self.tables[f][:runs], getattr(tables, f))
-                           for f in ("run_off", "run_cap", "run_len", "run_pos"))):
-            dst.copy_(r._host(src), non_blocking=True)      # straight into the static buffer
+        per_request = self.per_request_bytes
+        self.device_bytes[:per_request].copy_(self.host_bytes[:per_request], non_blocking=True)
+        for f in ("run_off", "run_cap", "run_len", "run_pos"):
+            h[f][:runs] = getattr(tables, f)
+            self.on_device[f][:runs].copy_(self.staged[f][:runs], non_blocking=True)
+        if self.copied is not None:
+            self.copied.record()
         self.graphs[size].replay()
         return self.logits[size][:n]
 
 
 CAPTURE_TRIES = 2
+STAGE_ALIGN = 16         # bytes: each static input starts aligned as Triton assumes pointers
 
 
 def make_graphs(runner: Runner, max_batch: int, max_runs: int, warn=None):

@@ -130,7 +130,7 @@ def serve(model, prompts: list, gen: list, arrivals, policy: str, *, pool_bytes:
           max_batched_tokens: int | None = None, concurrency: int | None = None,
           preemption: str = "recompute", swap_bytes: int = 0, cobatch: int = 0,
           attention: str = "auto", cuda_graphs: str = "auto", fused_layers: str = "auto",
-          progress=None, log: list | None = None, keep_logits: bool = False) -> dict:
+          prompt_attention: str = "dense", progress=None, log: list | None = None, keep_logits: bool = False) -> dict:
     """Serve the requests (prompt token ids, tokens to make, arrival seconds from the start) with
     `policy`, prefill-first or chunked (max_batched_tokens), open or closed loop (concurrency),
     a preempted request recomputed or swapped to host memory (swap_bytes of it), co-batching
@@ -138,7 +138,8 @@ def serve(model, prompts: list, gen: list, arrivals, policy: str, *, pool_bytes:
     run-table kernels of `attention` ("auto", "triton", "torch"), decode steps from CUDA graphs
     per `cuda_graphs` ("auto": on CUDA with the Triton kernels; "on"; "off"), the layers fused
     per `fused_layers` (runner.FusedLayers: "auto": on the Triton path where the model allows;
-    "on"; "off"); their tokens, times, and the allocator's and scheduler's counts."""
+    "on"; "off"), whole prompts attending per `prompt_attention` (runner.PROMPT_ATTENTION); their
+    tokens, times, and the allocator's and scheduler's counts."""
     dev = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
     spec = f"torch:{dev}"
@@ -158,7 +159,7 @@ def serve(model, prompts: list, gen: list, arrivals, policy: str, *, pool_bytes:
         sched = build_scheduler(policy_spec(policy), alloc, reqs, options, predictor=predictor,
                                 bytes_per_token=bpt, seed=seed, log=log,
                                 migrate=None if kv.page_tokens is not None else kv.migrate)
-        runner = Runner(model, kv, backend, fused_layers)
+        runner = Runner(model, kv, backend, fused_layers, prompt_attention)
         if graphs:
             # the most runs a request can have: one per page, or one per extent of whole token
             # alignments and one shorter at the max model length (a step with more runs, if
@@ -175,6 +176,7 @@ def serve(model, prompts: list, gen: list, arrivals, policy: str, *, pool_bytes:
         out["attention"] = backend
         out["cuda_graphs"] = runner.graphs is not None
         out["fused_layers"] = runner.fused is not None
+        out["prompt_attention"] = prompt_attention
         return out
     finally:
         alloc.close()
