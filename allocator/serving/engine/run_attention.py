@@ -464,9 +464,9 @@ def prefill_attention(q, pool, runs: RunTable, q_start, q_len, q_pos, layer: int
     q_start[b] + q_len[b] - 1 at positions q_pos[b] .. q_pos[b] + q_len[b] - 1 (int32 device
     tensors [B]); each attends causally over the request's KV positions <= its own (its chunk's
     K/V already stored). [Nq, H, D] in q's dtype, rows no request names zeros; written into `out`
-    when given (such rows then unspecified). The Triton
-    grid depends on max(q_len): pass max_q_len to spare the host sync. config overrides the
-    Triton kernel's tiles (_prefill_config: BLOCK_M, BLOCK_N, num_warps, num_stages)."""
+    when given (such rows then unspecified). The Triton grid depends on max(q_len): pass
+    max_q_len to spare the host sync. config overrides the Triton kernel's tiles
+    (_prefill_config: BLOCK_M, BLOCK_N, num_warps, num_stages)."""
     _check(q, pool, kv_heads, head_dim, "prefill_attention")
     if not q_start.numel() == q_len.numel() == q_pos.numel() == runs.batch:
         raise BadArgument(f"prefill_attention: q_start, q_len, q_pos of {q_start.numel()}, "

@@ -130,7 +130,8 @@ def serve(model, prompts: list, gen: list, arrivals, policy: str, *, pool_bytes:
           max_batched_tokens: int | None = None, concurrency: int | None = None,
           preemption: str = "recompute", swap_bytes: int = 0, cobatch: int = 0,
           attention: str = "auto", cuda_graphs: str = "auto", fused_layers: str = "auto",
-          prompt_attention: str = "dense", progress=None, log: list | None = None, keep_logits: bool = False) -> dict:
+          prompt_attention: str = "dense", progress=None, log: list | None = None,
+          keep_logits: bool = False) -> dict:
     """Serve the requests (prompt token ids, tokens to make, arrival seconds from the start) with
     `policy`, prefill-first or chunked (max_batched_tokens), open or closed loop (concurrency),
     a preempted request recomputed or swapped to host memory (swap_bytes of it), co-batching
