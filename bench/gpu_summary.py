@@ -80,6 +80,11 @@ def speed(folder: Path) -> list[str]:
                          f"{r.get('cuda_graphs')}  attention {r.get('attention')}  "
                          f"fused {r.get('fused_layers')}  prompts {r.get('prompt_attention')}  "
                          f"compiled in run {r.get('kernel_compiles', '-')}")
+            d = r.get("decode_step_us")
+            if d:
+                lines.append(f"{'':19s} {p:8s} a decode step: issue {d['issue']:.0f} us, wait "
+                             f"{d['wait']:.0f} us, to the next {d['other']:.0f} us "
+                             f"(median of {d['steps']})")
     eng = by_policy(load(folder / "speed32.out"))
     hf_graphs = by_policy(load(folder / "speed32_hf_graphs.out")).get("hf")
     if "odma" in eng:

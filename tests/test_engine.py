@@ -232,10 +232,42 @@ def test_engine_command_prints_the_contract_json(tmp_path, capsys):
         for key in ("policy", "requests", "completed", "output_tokens", "output_tps",
                     "requests_per_s", "ttft_s", "tpot_s", "e2e_s", "preemptions", "migrations",
                     "utilization", "mean_batch", "peak_batch", "mismatches", "max_logit_diff",
-                    "near_ties", "settings"):
+                    "near_ties", "decode_step_us", "settings"):
             assert key in r
         assert r["completed"] == 6 and r["mismatches"] == 0
         assert r["output_tokens"] == sum(2 + i for i in range(6))
+
+
+def test_the_decode_step_breakdown_times_each_part(monkeypatch):
+    """decode_step_us: a decode-only step's issue (forward), wait (tokens read back) and the
+    rest until the next step, medians over the decode-only steps another one follows; here
+    each part is held up by a known sleep."""
+    import time
+
+    from allocator.serving.engine.runner import Runner
+
+    forward, pick = Runner.forward, te.RunnerExecutor.pick
+
+    def slow_forward(self, batch):
+        if all(start and len(ids) == 1 for _, ids, start in batch):      # a decode-only step
+            time.sleep(0.02)
+        return forward(self, batch)
+
+    def slow_pick(self, logits):
+        time.sleep(0.005)
+        return pick(self, logits)
+
+    monkeypatch.setattr(Runner, "forward", slow_forward)
+    monkeypatch.setattr(te.RunnerExecutor, "pick", slow_pick)
+    cfg, _ = models.load_config("tiny-llama")
+    model = te.build_model(cfg, "float32", "cpu", seed=0)
+    bpt = models.kv_bytes_per_token(cfg, "float32")
+    prompts = te.prompt_ids(1, [6], cfg.vocab_size, 0)
+    run = te.serve(model, prompts, [5], np.zeros(1), "odma", pool_bytes=64 * bpt,
+                   max_model_len=16, max_batch=2)
+    steps = run["decode_step_us"]
+    assert steps["steps"] == 3              # 4 decode steps after the prefill: 3 followed
+    assert steps["issue"] >= 20000 and 5000 <= steps["wait"] < 20000 and steps["other"] >= 0
 
 
 @pytest.mark.parametrize("share", [0.6, 0.05, None])

@@ -317,6 +317,7 @@ def summarise_engine(policy: str, run: dict, setup: dict, slo: dict | None = Non
         "peak_batch": run["peak_batch"],
         "steps": run["steps"],
         "startup_s": run.get("startup_seconds"),   # hf: its manager's start-up, not in duration
+        "decode_step_us": run.get("decode_step_us"),  # hf: None (its own loop, not timed)
         "mismatches": None, "near_ties": None, "non_finite": None, "max_logit_diff": None,
         "settings": setup,
     }
@@ -342,5 +343,5 @@ SIMULATE_METRICS = (
 ENGINE_METRICS = (
     "requests", "completed", "output_tokens", "output_tps", "requests_per_s", "duration_s",
     *_SUMMARY, "preemptions", "migrations", "utilization", "mean_batch", "peak_batch", "steps",
-    "startup_s", "mismatches", "near_ties", "non_finite", "max_logit_diff", "kv_cache_mb",
-    "settings.*")
+    "startup_s", "decode_step_us.*", "mismatches", "near_ties", "non_finite", "max_logit_diff",
+    "kv_cache_mb", "settings.*")

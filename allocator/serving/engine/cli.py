@@ -343,6 +343,11 @@ def format_table(results: list[dict]) -> str:
         if r["policy"] == "hf":
             lines.append(f"hf: transformers' own KV cache of {r['kv_cache_mb']:.3g} MB, sized "
                          f"for the {s['max_batch']} longest requests (not the KV pool)")
+        elif r.get("decode_step_us"):
+            d = r["decode_step_us"]
+            lines.append(f"{r['policy']}: a decode step (median of {d['steps']}) issued in "
+                         f"{d['issue']:.0f} us, its tokens back {d['wait']:.0f} us later, the "
+                         f"next step {d['other']:.0f} us after that")
     lines += [""] + summary_table(results, [r["policy"] for r in results])
     return "\n".join(lines)
 

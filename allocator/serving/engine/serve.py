@@ -215,6 +215,9 @@ class RunnerExecutor(Executor):
         self.times = [[] for _ in range(n)]     # seconds at which each token was read back
         self.host: dict = {}                    # swapped requests' KV
         self.steps = self.batch_sum = self.peak_batch = 0
+        self.executed = 0                       # steps of any kind run so far
+        # decode-only steps: (step index, start, forward issued, tokens read back)
+        self.decode_marks: list = []
         self.start = self.last_progress = time.perf_counter()
 
     def now(self) -> float:
@@ -247,6 +250,7 @@ class RunnerExecutor(Executor):
 
     def execute(self, plan: Plan) -> Outcome:
         if plan.kind == PREFILL:
+            self.executed += 1
             batch = [(a.id, self.context(a.id), 0) for a in plan.admitted]
             if batch:
                 picked = self.pick(self.runner.forward(batch))
@@ -260,7 +264,13 @@ class RunnerExecutor(Executor):
         batch = [(i, self.made[i][-1:], reqs[i].prompt + reqs[i].made - 1) for i in ids]
         batch += [(c.id, self.context(c.id)[c.start:c.start + c.tokens], c.start)
                   for c in chunks]
-        picked = self.pick(self.runner.forward(batch))
+        t0 = time.perf_counter()
+        logits = self.runner.forward(batch)
+        t1 = time.perf_counter()
+        picked = self.pick(logits)
+        if not chunks:
+            self.decode_marks.append((self.executed, t0, t1, time.perf_counter()))
+        self.executed += 1
         for j, i in enumerate(ids):
             self.emit(i, picked, j)
             reqs[i].made += 1
@@ -293,10 +303,27 @@ class RunnerExecutor(Executor):
     def swap_in(self, i, r, tokens: int) -> None:
         self.runner.kv.load(i, self.host.pop(i))
 
+    def decode_step_us(self) -> dict | None:
+        """Where a decode-only step's time goes, medians in microseconds over the decode-only
+        steps that another one follows: `issue` (the batch, its step tables and inputs, its
+        launches or graph replay issued), `wait` (then until its tokens are read back: on a GPU
+        the device's work the host did not hide; on a CPU the host computes in `issue`) and
+        `other` (then until the next step starts: the tokens recorded, the scheduler's update
+        and next plan)."""
+        marks = self.decode_marks
+        cycles = [(t1 - t0, t2 - t1, n0 - t2) for (k, t0, t1, t2), (k1, n0, _, _)
+                  in zip(marks, marks[1:]) if k1 == k + 1]
+        if not cycles:
+            return None
+        med = np.median(np.array(cycles), axis=0) * 1e6
+        return {"steps": len(cycles), "issue": float(med[0]), "wait": float(med[1]),
+                "other": float(med[2])}
+
     def result(self) -> dict:
         sched = self.sched
         alloc, tot = sched.alloc, sched.tot
         return {"requests": sched.reqs, "tokens": self.made, "token_times": self.times,
+                "decode_step_us": self.decode_step_us(),
                 "top_logits": self.top if self.keep_logits else None,
                 "seconds": self.now(), "steps": self.steps, "batch_sum": self.batch_sum,
                 "peak_batch": self.peak_batch, "preemptions": int(tot["preemptions"]),
