@@ -267,28 +267,30 @@ class RunnerExecutor(Executor):
         t0 = time.perf_counter()
         logits = self.runner.forward(batch)
         t1 = time.perf_counter()
+        # what needs no token value, done while a GPU computes them: which requests finish
+        # with this step's token, and which next one has no room in its block
+        finished, outgrown = [], []
+        block = self.alloc.block
+        for i in ids:
+            r = reqs[i]
+            r.made += 1
+            if r.made >= r.gen:
+                finished.append(i)
+            elif r.prompt + r.made + 1 > block(i).capacity_tokens:
+                outgrown.append(i)
         picked = self.pick(logits)
         if not chunks:
             self.decode_marks.append((self.executed, t0, t1, time.perf_counter()))
         self.executed += 1
         for j, i in enumerate(ids):
             self.emit(i, picked, j)
-            reqs[i].made += 1
         for j, c in enumerate(chunks):
             if c.last:
                 self.emit(c.id, picked, len(ids) + j)
         if ids:
             self.steps += 1
             self.batch_sum += len(ids)
-        out = Outcome(self.now())
-        block = self.alloc.block
-        for i in ids:
-            r = reqs[i]
-            if r.made >= r.gen:
-                out.finished.append(i)
-            elif r.prompt + r.made + 1 > block(i).capacity_tokens:
-                out.outgrown.append(i)
-        return out
+        return Outcome(self.now(), finished=finished, outgrown=outgrown)
 
     def settle(self, plan: Plan, outcome: Outcome) -> None:
         if plan.kind == PREFILL or plan.decodes or plan.chunks:
@@ -306,8 +308,9 @@ class RunnerExecutor(Executor):
     def decode_step_us(self) -> dict | None:
         """Where a decode-only step's time goes, medians in microseconds over the decode-only
         steps that another one follows: `issue` (the batch, its step tables and inputs, its
-        launches or graph replay issued), `wait` (then until its tokens are read back: on a GPU
-        the device's work the host did not hide; on a CPU the host computes in `issue`) and
+        launches or graph replay issued), `wait` (then until its tokens are read back, the
+        bookkeeping that needs no token value done meanwhile: on a GPU the device's work the
+        host did not hide; on a CPU the host computes in `issue`) and
         `other` (then until the next step starts: the tokens recorded, the scheduler's update
         and next plan)."""
         marks = self.decode_marks
