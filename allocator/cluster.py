@@ -87,6 +87,9 @@ class ClusterManager:
     def block(self, request_id):
         return self._owner(request_id).block(request_id)
 
+    def blocks(self, request_ids) -> list:
+        return [self.block(i) for i in request_ids]
+
     def grow(self, request_id, total_tokens, copy=None):
         return self._owner(request_id).grow(request_id, total_tokens, copy)
 

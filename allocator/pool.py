@@ -379,6 +379,12 @@ class PoolAllocator:
         with self._lock:
             return self._lookup(request_id)
 
+    def blocks(self, request_ids) -> list:
+        """block() of each of `request_ids`, in order, looked up under one hold of the lock (a
+        step looks up every running request's)."""
+        with self._lock:
+            return [self._lookup(i) for i in request_ids]
+
     def release(self, request_id, realized_tokens: int | None = None, *,
                 preempted: bool = False) -> None:
         """Free the request's block. realized_tokens: tokens it generated (default: its length

@@ -213,6 +213,15 @@ def test_background_refresher_publishes_bounds():
 
 # ---------------------------------------------------------------- failures keep state unchanged
 
+def test_blocks_are_each_requests_block_in_order():
+    with RacmAllocator(MemoryDevice(), POOL, BPT, MAX_TOKENS, CFG) as alloc:
+        for rid in ("a", "b", "c"):
+            alloc.reserve(rid, 10, 10)
+        alloc.grow("b", 200)                                 # b moves to a larger block
+        assert alloc.blocks(["c", "a", "b"]) == [alloc.block(r) for r in ("c", "a", "b")]
+        assert alloc.blocks([]) == []
+
+
 def snapshot(alloc):
     st = alloc.stats()
     blocks = sorted((str(b.request_id), b.offset, b.nbytes, b.tokens) for b in alloc.live_blocks())
@@ -241,6 +250,8 @@ def snapshot(alloc):
     (lambda a: a.release("live", realized_tokens=10 ** 6), BadArgument),  # more than the block
     (lambda a: a.block("live").write(b"x", offset=10 ** 9), BadArgument),
     (lambda a: a.block("live").read(-1), BadArgument),
+    (lambda a: a.blocks(["live", "gone"]), UnknownRequest),             # one of them released
+    (lambda a: a.blocks(["live", ["unhashable"]]), BadArgument),
 ])
 def test_bad_input_raises_a_specific_error_and_changes_nothing(call, error):
     dev = MemoryDevice()

@@ -73,8 +73,11 @@ class KVPool:
         """(offsets int64, caps int32, first positions int64) of request i's regions (of its live
         block, or of `blk`), in token order. Cached until the block changes: the allocator's
         block is looked up every time, so a released or migrated-away block is never read."""
-        live = blk is None
-        blk = self.alloc.block(i) if live else blk
+        return self._regions_of(i, self.alloc.block(i), True) if blk is None else \
+            self._regions_of(i, blk, False)
+
+    def _regions_of(self, i, blk, live: bool):
+        """regions() of request i in `blk`, its live block when `live` (then cached)."""
         key = (blk, blk.capacity_tokens, getattr(blk, "extents", None))
         got = self._regions.get(i)
         if got is not None and got[0][0] is blk and got[0][1:] == key[1:]:
@@ -110,7 +113,8 @@ class KVPool:
         """Every region of `requests` in one set of arrays, request after request: (offsets,
         caps, first positions, the request's index in `requests` of each region, each
         request's region count)."""
-        parts = [self.regions(i) for i in requests]
+        parts = [self._regions_of(i, blk, True)
+                 for i, blk in zip(requests, self.alloc.blocks(requests))]
         counts = np.fromiter((len(o) for o, _, _ in parts), dtype=np.int64, count=len(parts))
         if not parts:
             return (np.zeros(0, np.int64), np.zeros(0, np.int32), np.zeros(0, np.int64),

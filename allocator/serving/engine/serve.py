@@ -270,13 +270,12 @@ class RunnerExecutor(Executor):
         # what needs no token value, done while a GPU computes them: which requests finish
         # with this step's token, and which next one has no room in its block
         finished, outgrown = [], []
-        block = self.alloc.block
-        for i in ids:
+        for i, blk in zip(ids, self.alloc.blocks(ids)):
             r = reqs[i]
             r.made += 1
             if r.made >= r.gen:
                 finished.append(i)
-            elif r.prompt + r.made + 1 > block(i).capacity_tokens:
+            elif r.prompt + r.made + 1 > blk.capacity_tokens:
                 outgrown.append(i)
         picked = self.pick(logits)
         if not chunks:
