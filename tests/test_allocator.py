@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 
 from allocator import (LARGE, AllocatorConfig, BadArgument, ClusterManager, DuplicateRequest,
                        MigrationFailed, OdmaError, OracleAllocator, OutOfMemory, PagedAllocator,
-                       PoolTooLarge, RacmAllocator, S3Allocator, StaleBlock, StaticAllocator,
-                       TlsfFreeSpace, UnknownRequest)
+                       PoolTooLarge, RacmAllocator, RequestBusy, S3Allocator, StaleBlock,
+                       StaticAllocator, TlsfFreeSpace, UnknownRequest)
 from test_allocator_fakes import MemoryDevice, fill_grow_release, open_or_skip, pattern
 
 BPT = 256           # bytes per token
@@ -213,13 +213,23 @@ def test_background_refresher_publishes_bounds():
 
 # ---------------------------------------------------------------- failures keep state unchanged
 
-def test_blocks_are_each_requests_block_in_order():
+def test_blocks_are_each_requests_block_in_order_none_while_it_migrates():
     with RacmAllocator(MemoryDevice(), POOL, BPT, MAX_TOKENS, CFG) as alloc:
         for rid in ("a", "b", "c"):
             alloc.reserve(rid, 10, 10)
         alloc.grow("b", 200)                                 # b moves to a larger block
         assert alloc.blocks(["c", "a", "b"]) == [alloc.block(r) for r in ("c", "a", "b")]
         assert alloc.blocks([]) == []
+        # while a request migrates, neither lookup hands out its old block
+        seen = []
+
+        def copy(old, new):
+            for look in (lambda: alloc.block("a"), lambda: alloc.blocks(["c", "a"])):
+                with pytest.raises(RequestBusy):
+                    look()
+                seen.append(look)
+        alloc.grow("a", 300, copy=copy)
+        assert len(seen) == 2 and alloc.blocks(["a"])[0].capacity_tokens >= 300
 
 
 def snapshot(alloc):

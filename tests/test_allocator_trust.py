@@ -37,7 +37,8 @@ class SlowWriteDevice(MemoryDevice):
 
 def writer_against_growth(dev, trials: int, seed: int) -> int:
     """The issue's scenario: reserve 16 + 16 tokens of 4 KiB; one thread writes 64 B at token
-    offsets through alloc.block(rid) while the main thread grows the request to 17, 200, 1000
+    offsets through alloc.block(rid) (every other write through alloc.blocks([rid]), the
+    lookup of a step's batch) while the main thread grows the request to 17, 200, 1000
     and 3000 tokens with random sleeps. Returns how many offsets ended with a byte pattern other
     than the last write that returned normally (must be 0)."""
     rng = random.Random(seed)
@@ -58,7 +59,8 @@ def writer_against_growth(dev, trials: int, seed: int) -> int:
                     data = k.to_bytes(8, "little") * 8
                     k += 1
                     try:
-                        alloc.block(rid).write(data, off)
+                        blk = alloc.block(rid) if k % 2 else alloc.blocks([rid])[0]
+                        blk.write(data, off)
                     except (RequestBusy, StaleBlock):
                         continue                  # refused: retry on the current block
                     last[off] = data
