@@ -73,8 +73,9 @@ class KVPool:
         """(offsets int64, caps int32, first positions int64) of request i's regions (of its live
         block, or of `blk`), in token order. Cached until the block changes: the allocator's
         block is looked up every time, so a released or migrated-away block is never read."""
-        return self._regions_of(i, self.alloc.block(i), True) if blk is None else \
-            self._regions_of(i, blk, False)
+        if blk is None:
+            return self._regions_of(i, self.alloc.block(i), True)
+        return self._regions_of(i, blk, False)
 
     def _regions_of(self, i, blk, live: bool):
         """regions() of request i in `blk`, its live block when `live` (then cached)."""

@@ -329,22 +329,23 @@ class FusedLayers:
         delta = None
         for layer, (norm_in, qkv_w, qkv_b, o_proj, norm_post, gu_w, gu_b, down) in enumerate(
                 self.blocks):
-            layer_kernels.add_rms_norm_triton(x, delta, norm_in.weight, norm_in.variance_epsilon, h)
+            layer_kernels.add_rms_norm_triton(x, delta, norm_in.weight, norm_in.variance_epsilon,
+                                              h)
             qkv = linear(h, qkv_w, qkv_b)
-            layer_kernels.rope_store_triton(qkv, cos, sin, kv.flat, slot, slot_cap, layer, H, KVH,
-                                          D, kv.align)
+            layer_kernels.rope_store_triton(qkv, cos, sin, kv.flat, slot, slot_cap, layer, H,
+                                            KVH, D, kv.align)
             q = qkv[:, :H * D].view(n, H, D)
             k = qkv[:, H * D:(H + KVH) * D].view(n, KVH, D)
             v = qkv[:, (H + KVH) * D:].view(n, KVH, D)
             o = attend(layer, q, k, v)
             layer_kernels.add_rms_norm_triton(x, linear(o.reshape(n, H * D), o_proj.weight,
-                                                      o_proj.bias),
-                                            norm_post.weight, norm_post.variance_epsilon, h)
+                                                        o_proj.bias),
+                                              norm_post.weight, norm_post.variance_epsilon, h)
             gu = linear(h, gu_w, gu_b)
             act = layer_kernels.silu_mul_triton(gu, gu.new_empty(n, gu.shape[1] // 2))
             delta = linear(act, down.weight, down.bias)
-        layer_kernels.add_rms_norm_triton(x, delta, self.final.weight, self.final.variance_epsilon,
-                                        h)
+        layer_kernels.add_rms_norm_triton(x, delta, self.final.weight,
+                                          self.final.variance_epsilon, h)
         return h
 
 
@@ -372,8 +373,7 @@ class DecodeGraphs:
         for name, dtype, n in fields:
             spans[name] = (at, dtype, n)
             at += -(-n * dtype.itemsize // STAGE_ALIGN) * STAGE_ALIGN
-            if name == "ctx_len":
-                self.per_request_bytes = at
+        self.per_request_bytes = spans["run_off"][0]        # where the run arrays start
         self.host_bytes = torch.zeros(at, dtype=torch.uint8, pin_memory=dev.type == "cuda")
         self.device_bytes = torch.zeros(at, dtype=torch.uint8, device=dev)
         self.staged, self.on_device, self.on_host = {}, {}, {}

@@ -215,7 +215,7 @@ class RunnerExecutor(Executor):
         self.times = [[] for _ in range(n)]     # seconds at which each token was read back
         self.host: dict = {}                    # swapped requests' KV
         self.steps = self.batch_sum = self.peak_batch = 0
-        self.executed = 0                       # steps of any kind run so far
+        self.executed = 0                       # plans of any kind executed so far
         # decode-only steps: (step index, start, forward issued, tokens read back)
         self.decode_marks: list = []
         self.start = self.last_progress = time.perf_counter()
@@ -249,8 +249,8 @@ class RunnerExecutor(Executor):
         return torch.cat([p, torch.tensor(self.made[i], dtype=p.dtype)])
 
     def execute(self, plan: Plan) -> Outcome:
+        self.executed += 1
         if plan.kind == PREFILL:
-            self.executed += 1
             batch = [(a.id, self.context(a.id), 0) for a in plan.admitted]
             if batch:
                 picked = self.pick(self.runner.forward(batch))
@@ -280,7 +280,6 @@ class RunnerExecutor(Executor):
         picked = self.pick(logits)
         if not chunks:
             self.decode_marks.append((self.executed, t0, t1, time.perf_counter()))
-        self.executed += 1
         for j, i in enumerate(ids):
             self.emit(i, picked, j)
         for j, c in enumerate(chunks):
@@ -309,9 +308,8 @@ class RunnerExecutor(Executor):
         steps that another one follows: `issue` (the batch, its step tables and inputs, its
         launches or graph replay issued), `wait` (then until its tokens are read back, the
         bookkeeping that needs no token value done meanwhile: on a GPU the device's work the
-        host did not hide; on a CPU the host computes in `issue`) and
-        `other` (then until the next step starts: the tokens recorded, the scheduler's update
-        and next plan)."""
+        host did not hide; on a CPU the host computes in `issue`) and `other` (then until the
+        next step starts: the tokens recorded, the scheduler's update and next plan)."""
         marks = self.decode_marks
         cycles = [(t1 - t0, t2 - t1, n0 - t2) for (k, t0, t1, t2), (k1, n0, _, _)
                   in zip(marks, marks[1:]) if k1 == k + 1]
