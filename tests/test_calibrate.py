@@ -5,10 +5,12 @@ nothing."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import json
 import math
 import os
+import statistics
 
 import numpy as np
 import pytest
@@ -210,8 +212,9 @@ def test_a_shape_a_step_runs_more_often_weighs_more(monkeypatch):
     # the same FLOPs a call, one shape in 1 ms, the other in 4 at 1 row: the set runs the slow
     # one three times as often, so its rate is 4 calls' FLOPs over 13 ms, nearer the slow rate
     seconds = {(8, 8): {1: 1e-3, 2: 1e-3}, (4, 16): {1: 4e-3, 2: 2e-3}}
-    monkeypatch.setattr(measure, "_linear_seconds",
-                        lambda torch, dev, dtype, rows, k, n, effort, seed: seconds[(k, n)])
+    monkeypatch.setattr(measure, "linear_seconds",
+                        lambda torch, dev, dtype, rows, products, effort, seed:
+                        {shape: seconds[shape] for shape in products})
     whole, each = measure.matmul_tflops(None, None, None, (1, 2), {(8, 8): 1, (4, 16): 3},
                                         measure.QUICK, 0)
     assert each[(8, 8)][1] == pytest.approx(2 * 64 / 1e-3 / 1e12)
@@ -398,8 +401,11 @@ def measured_instantly(monkeypatch):
     def times(t):
         return {"step_s": t, "step_min_s": t, "step_max_s": t, "step_q1_s": t, "step_q3_s": t}
 
-    def steps(torch, dev, dtype, config, effort, seed):
-        out = {"decode": [], "prefill": []}
+    def steps(torch, dev, dtype, config, effort, seed, anchors=((), ())):
+        # the products ran at 0.8x their own phase's speed among the steps
+        out = {"decode": [], "prefill": [], "anchors": {
+            (k, n): {rows: 2.0 * rows * k * n / (0.8 * 0.01 * math.sqrt(rows)) / 1e12}
+            for k, n, rows, _ in anchors[1]}}
         for layers in effort.fit_layers:
             for context in effort.fit_contexts:
                 for batch in effort.fit_batches:
@@ -417,6 +423,9 @@ def measured_instantly(monkeypatch):
     monkeypatch.setattr(measure, "measure_bandwidth", bandwidth)
     monkeypatch.setattr(measure, "measure_native_bandwidth", native)
     monkeypatch.setattr(cal, "matmul_tflops", matmul)
+    monkeypatch.setattr(cal, "linear_calls",
+                        lambda torch, device, dtype, rows_list, products, effort, seed:
+                        ([], [(k, n, rows, 1) for k, n in products for rows in rows_list]))
     monkeypatch.setattr(engine_steps, "measure_steps", steps)
     monkeypatch.setattr(engine_steps, "measure_engine_reads", reads)
     monkeypatch.setattr(engine_steps, "measure_loop",
@@ -627,6 +636,12 @@ def test_which_native_device_measures_each_memory():
         measure.memory_plan("torch:cpu", "hbm")
 
 
+def test_the_real_quick_calibration_scales_its_products_by_a_measured_speed(calibrated):
+    _, result, err = calibrated
+    assert 0.2 < result["matmul"]["steps_speed"] < 5        # a ratio of two timings, not 0
+    assert "among them the products at" in err
+
+
 def test_the_real_quick_calibration_names_the_host_native_probe(calibrated):
     from odma_hw import native
 
@@ -683,3 +698,202 @@ def test_reads_too_few_for_a_table_leave_the_card_on_the_memorys_rates(tmp_path,
     assert rc == 0, err
     assert "too few for a table" in err
     assert "engine_run_gbps" not in card_of(tmp_path / "c.toml")
+
+
+def test_shapes_timed_in_turns_share_a_burst_of_load_instead_of_one_taking_it_all(monkeypatch):
+    # a fake clock: every call costs 1 s, 3 s during a burst of 6 consecutive calls (two
+    # rounds of three shapes). In turns each shape meets the burst twice in 7 rounds, so every
+    # median is the quiet 1 s; timed one shape after another, the second would take 6 slow
+    # samples of 7 and its median would say 3 s.
+    clock, order = [0.0], []
+    monkeypatch.setattr(measure.time, "perf_counter", lambda: clock[0])
+
+    def call(i):
+        def run():
+            order.append(i)
+            timed = len(order) - 2 * 3          # after two warm-up calls of each shape
+            clock[0] += 3.0 if 7 <= timed < 13 else 1.0
+        return run
+
+    times = measure.time_in_turns(lambda: None, [call(0), call(1), call(2)], 2, 7)
+    assert order == [0, 0, 1, 1, 2, 2] + [0, 1, 2] * 7
+    assert [len(t) for t in times] == [7, 7, 7]
+    assert [statistics.median(t) for t in times] == [1.0, 1.0, 1.0]
+    assert sorted(sum(t) for t in times) == [11.0, 11.0, 11.0]
+
+
+def test_the_matmul_table_times_every_shape_at_every_row_count_in_turns(monkeypatch):
+    import torch
+
+    rounds = []
+    real = measure.time_in_turns
+
+    def spy(sync, calls, warmup, reps):
+        rounds.append((len(calls), reps))
+        return real(sync, calls, warmup, reps)
+
+    monkeypatch.setattr(measure, "time_in_turns", spy)
+    effort = dataclasses.replace(measure.QUICK, matmul_seconds=1e-4)
+    got = measure.linear_seconds(torch, torch.device("cpu"), torch.float32, (1, 3),
+                                 {(16, 8): 2, (8, 32): 1}, effort, 0)
+    assert rounds == [(4, effort.matmul_reps)]             # one rotation over all four
+    assert sorted(got) == [(8, 32), (16, 8)]
+    assert all(sorted(t) == [1, 3] and all(s > 0 for s in t.values()) for t in got.values())
+
+
+def test_the_engines_steps_are_timed_at_the_models_own_depth_where_the_memory_holds_it():
+    from allocator.serving.cards.presets import model_spec
+    from allocator.serving.models import load_config
+
+    spec, (config, _) = model_spec("qwen2.5-0.5b"), load_config("qwen2.5-0.5b")
+    full, quick = measure.FULL, measure.QUICK
+
+    def held(depths):
+        return sum(engine_steps.steps_bytes(spec, config, "float32", d, full) for d in depths)
+
+    assert engine_steps.step_depths(full, spec, config, "float32", None) == (2, 24)
+    assert engine_steps.step_depths(full, spec, config, "float32", held((2, 24))) == (2, 24)
+    assert engine_steps.step_depths(quick, spec, config, "float32", 1) == quick.fit_layers
+    # less memory: the deepest that fits beside the 2-layer engine, never below DEEP_ENOUGH
+    got = engine_steps.step_depths(full, spec, config, "float32", held((2, 24)) - 1)
+    assert got[0] == 2 and engine_steps.DEEP_ENOUGH <= got[1] < 24
+    assert held(got) <= held((2, 24)) - 1 < held((2, got[1] + 1))
+    assert engine_steps.step_depths(full, spec, config, "float32", 1) == \
+        (2, engine_steps.DEEP_ENOUGH)
+    # a model shallower than DEEP_ENOUGH is still timed at two depths apart
+    tiny = model_spec("tiny-llama")
+    assert engine_steps.step_depths(full, tiny, load_config("tiny-llama")[0], "float32",
+                                    None) == (2, engine_steps.DEEP_ENOUGH)
+
+
+def test_a_full_calibration_fits_at_the_models_depth_or_says_why_not(tmp_path, monkeypatch,
+                                                                     measured_instantly):
+    depth = {}
+    real = engine_steps.measure_steps
+
+    def spy(torch, dev, dtype, config, effort, seed, anchors):
+        depth["layers"] = effort.fit_layers
+        return real(torch, dev, dtype, config, effort, seed, anchors)
+
+    monkeypatch.setattr(engine_steps, "measure_steps", spy)
+    argv = ["calibrate", "--quiet", "--json", "--model", "qwen2.5-0.5b"]
+    rc, stdout, err = run([*argv, "--out", str(tmp_path / "a.toml")])
+    assert rc == 0, err
+    assert depth["layers"] == (2, 24)
+    assert json.loads(stdout)["overheads"]["fit_layers"] == [2, 24]
+    assert "2/24 layers" in card_of(tmp_path / "a.toml")["source"]
+
+    opened = cal.open_torch_device
+
+    def small(spec):
+        dev = opened(spec)
+        return dict(dev, free_bytes=4 << 30)
+    monkeypatch.setattr(cal, "open_torch_device", small)
+    rc, stdout, err = run(["calibrate", "--json", "--model", "qwen2.5-0.5b",
+                           "--out", str(tmp_path / "b.toml")])
+    assert rc == 0, err
+    assert 6 <= depth["layers"][1] < 24
+    assert f"steps at {depth['layers'][1]} layers, not 24" in err
+
+
+def test_a_cut_model_is_priced_at_its_own_mix_of_products():
+    from allocator.serving.cards.presets import model_spec
+
+    spec = model_spec("qwen2.5-0.5b")
+    head = (spec.hidden, spec.vocab)
+    each = {shape: {1: 3.0 if shape == head else 1.0} for shape in spec.decode_products}
+    two, full = (measure.set_tflops(each, dataclasses.replace(spec, layers=n).decode_products)
+                 for n in (2, spec.layers))
+    flops = {n: sum(k * m * c for (k, m), c in
+                    dataclasses.replace(spec, layers=n).decode_products.items())
+             for n in (2, spec.layers)}
+    lm = head[0] * head[1]
+    for n, got in ((2, two), (spec.layers, full)):
+        assert got[1] == pytest.approx(flops[n] / (flops[n] - lm + lm / 3.0))
+    assert two[1] > 1.5 > full[1] > 1.0     # the LM head is most of 2 layers' work
+
+
+def test_the_overheads_fitted_on_two_depths_are_recovered_with_each_depths_own_mix():
+    from allocator.serving.cards.presets import model_spec
+    from allocator.serving.sim.timing import MeasuredTiming
+
+    spec = model_spec("qwen2.5-0.5b")
+    head = (spec.hidden, spec.vocab)
+    rows = (1, 4, 16, 64)
+    # rates unlike each other in how they grow with rows: a floor priced at the wrong mix
+    # then differs from the right one by more than the four overhead terms can take up
+    each = {shape: {r: 0.3 * r / (r + 4) if shape == head else 0.05 * math.sqrt(r)
+                    for r in rows}
+            for shape in spec.decode_products}
+    timing = MeasuredTiming("test", {4096: 1e4}, 1e4, 1e4)     # steps compute-bound
+    k, a, b, c = 2e-3, 4e-4, 1e-4, 2e-5
+    steps = {"decode": [], "prefill": []}
+    for layers in (2, 24):
+        table = measure.set_tflops(each, dataclasses.replace(spec, layers=layers).decode_products)
+        for batch in (1, 4, 16):
+            floor = calfit.predicted_floor(spec, layers, batch, 257, "float32", timing,
+                                           table[64], table, None)["floor_s"]
+            step = floor + k + layers * a + batch * b + layers * batch * c
+            steps["decode"].append({"layers": layers, "batch": batch, "context": 257,
+                                    "step_s": step})
+        for batch, prompt in ((1, 64), (4, 16)):
+            steps["prefill"].append({"layers": layers, "batch": batch, "prompt": prompt,
+                                     "step_s": 2 * calfit.predicted_prefill(
+                                         spec, layers, batch, prompt, "float32", timing,
+                                         table[64], table, None, {})})
+    got = cal.fit_steps({"spec": spec, "dtype": "float32"}, steps, timing, each, 64, None)
+    assert [got["fit"][key] for key in ("step_s", "layer_s", "request_s", "layer_request_s")] \
+        == pytest.approx([k, a, b, c], rel=1e-6)
+    assert got["fit"]["max_relative_residual"] < 1e-9
+
+
+def test_the_products_speed_among_the_steps_is_the_median_of_the_anchors_ratios():
+    each = {(4, 8): {1: 1.0, 16: 2.0}, (8, 8): {1: 1.0}}
+
+    def seconds(k, n, rows, tflops):
+        return 2.0 * rows * k * n / (tflops * 1e12)
+    anchors = {(4, 8): {1: seconds(4, 8, 1, 0.5), 16: seconds(4, 8, 16, 1.6)},
+               (8, 8): {1: seconds(8, 8, 1, 0.9)}}
+    assert measure.steps_speed(each, anchors) == pytest.approx(0.8)
+
+
+def test_the_card_holds_the_products_at_the_speed_they_ran_among_the_steps(tmp_path,
+                                                                         measured_instantly):
+    result = calibrate_to(tmp_path / "c.toml")
+    mm = result["matmul"]
+    assert mm["steps_speed"] == pytest.approx(0.8)
+    assert mm["steps_speed_rows"] == sorted({measure.QUICK.decode_rows[0],
+                                             measure.QUICK.decode_rows[-1], 256})
+    # measured_instantly's table is 0.01 sqrt(rows) TFLOPS in the matmul phase
+    assert {int(r): v for r, v in card_of(tmp_path / "c.toml")["matmul_tflops"].items()} == \
+        pytest.approx({r: 0.8 * 0.01 * math.sqrt(r) for r in (256, *measure.QUICK.decode_rows)})
+    for product in mm["tflops_by_product"]["float32"].values():
+        assert product["1"] == pytest.approx(0.8 * 0.01)
+    assert card_of(tmp_path / "c.toml")["tflops_fp32"] == pytest.approx(0.8 * 0.01 * 16)
+
+
+def test_the_anchors_take_their_turns_among_the_engines_steps():
+    import torch
+
+    from allocator.serving.models import load_config
+
+    config, _ = load_config("tiny-llama")
+    effort = dataclasses.replace(measure.QUICK, fit_layers=(2,), fit_batches=(1,),
+                                 fit_contexts=(16,), prefill_shapes=((1, 8),), fit_warmup=1,
+                                 fit_reps=3)
+    order = []
+    real_decode = engine_steps._decode_call
+
+    def decode_call(*args, **kwargs):
+        step = real_decode(*args, **kwargs)
+        return lambda: (order.append("step"), step())
+    anchor = ([lambda: order.append("anchor")], [(4, 4, 1, 1)])
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(engine_steps, "_decode_call", decode_call)
+        dev = measure.open_torch_device("torch:cpu")
+        got = engine_steps.measure_steps(torch, dev, "float32", config, effort, 0, anchor)
+    # one warm-up each, then a round: the decode step, the anchor, the decode step again (the
+    # caches warmed for the next round's first step; the prefill unrecorded)
+    assert order == ["step", "anchor", "step"] + ["step", "anchor", "step"] * 3
+    assert list(got["anchors"]) == [(4, 4)] and got["anchors"][(4, 4)][1] >= 0
+    assert len(got["decode"]) == 1 and len(got["prefill"]) == 1

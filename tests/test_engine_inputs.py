@@ -291,7 +291,7 @@ def test_a_model_and_pool_larger_than_free_memory_are_refused_before_any_weight(
 def test_calibrate_refuses_a_matmul_larger_than_free_memory(tmp_path, capsys):
     cfg = config_file(tmp_path, vocab_size=10**9)
     assert exit_code(["calibrate", "--model", cfg, "--out", str(tmp_path / "c.toml")]) == 2
-    assert "largest matmul measurement" in one_line(capsys)
+    assert "matmul measurement" in one_line(capsys)
 
 
 # ------------------------------------------------------------------------------------------ weights

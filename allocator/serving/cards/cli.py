@@ -21,7 +21,8 @@ What it measures, in this order (each phase prints one progress line on stderr):
    (--prefill-tokens rows) and at decode shapes (1 .. 64 rows). The prefill shape's throughput
    is the card's peak at that dtype with mfu = 1 (what the engine's matrix products reach);
    every row count's goes into the card's matmul_tflops table, by which the simulator costs
-   each step's compute.
+   each step's compute. Every (shape, rows) is timed once a round, in turns (measure.py,
+   linear_seconds).
    On CUDA each timed batch of products is a CUDA graph replay (measure.py,
    graphed), as the engine's decode steps are: eagerly a small product's launch outlasts it.
 3. the engine's KV reads (engine_steps.py, measure_engine_reads): its attention
@@ -29,8 +30,9 @@ What it measures, in this order (each phase prints one progress line on stderr):
    the bytes a longer context adds over the time it adds: the card's engine_run_gbps, which
    simulate reads a step's KV at.
 4. the engine's steps (measure_steps): decode steps (Runner.decode, with the engine's decode
-   graphs where it has them) of --model cut to 2 and 6 layers over batch x context, and
-   whole-prompt prefill steps; the simulator's own memory and compute terms at each shape are
+   graphs where it has them) of --model cut to 2 layers and at its own depth (step_depths)
+   over batch x context, and whole-prompt prefill steps; the simulator's own memory and
+   compute terms at each shape (the products at the depth's own mix, set_tflops) are
    taken away and the rest fitted (fit.py, nnls relative to each step): per step,
    per layer, per request, per request per layer for decodes; per step, per layer, per prompt
    per layer for prefills (the card's prefill_* keys).
@@ -46,6 +48,7 @@ figure would measure the neighbours.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
 import sys
@@ -55,9 +58,11 @@ from odma_cli.errors import BadArgument
 
 from allocator.serving.cards import engine_steps, fit
 from allocator.serving.cards.measure import (BUSY_OTHER_SHARE, FULL, MEMORY_MODES, QUICK,
-                                             TORCH_SOURCE, OtherLoad, disturbed, engine_dtype,
-                                             matmul_bytes, matmul_tflops, measure_memory,
-                                             memory_plan, need_torch, open_torch_device)
+                                             TORCH_SOURCE, Effort, OtherLoad, disturbed,
+                                             engine_dtype, linear_calls, matmul_bytes,
+                                             matmul_tflops, measure_memory, memory_plan,
+                                             need_torch, open_torch_device, set_tflops,
+                                             steps_speed)
 from allocator.serving.cards.write import (byte_text, card_contents, card_json, card_paths,
                                            card_text, check_card, probe_document)
 
@@ -96,10 +101,10 @@ def check(args) -> dict:
 
         with devices.open(native):                 # ... that is here (auto falls back instead)
             pass
-    # the largest product's measurement, before any of its weights exists (the model's own
-    # weights are never built: the products are timed one at a time)
-    rows = max(args.prefill_tokens, *FULL.decode_rows)
-    check_memory({f"{args.model}'s largest matmul measurement":
+    # the products' measurement (all their weight copies at once: they are timed in turns),
+    # before any of its weights exists
+    rows = (args.prefill_tokens, *FULL.decode_rows)
+    check_memory({f"{args.model}'s matmul measurement":
                   matmul_bytes(spec.decode_products, rows, DTYPES[dtype])},
                  dev["free_bytes"], dev["spec"])
     return {"card": card, "probe": probe, "device": dev, "dtype": dtype, "config": config,
@@ -107,16 +112,23 @@ def check(args) -> dict:
             "memory": memory}
 
 
-def fit_steps(p: dict, steps: dict, timing, peak: float, matmul: dict, reads: dict) -> dict:
+def fit_steps(p: dict, steps: dict, timing, each: dict, prefill_rows: int,
+              reads: dict) -> dict:
     """The card's overheads fitted on the engine's steps (what the simulator's own memory and
-    compute terms leave of each, KV reads at the engine's measured rate): decode steps'
-    (per step, layer, request, request and layer) and prompt steps' (prefill_*: per step,
-    layer, prompt and layer); each step's fitted time and residual."""
+    compute terms leave of each, KV reads at the engine's measured rate, the matrix products
+    at the rate of the depth's own mix of them, from `each` product's rates by rows): decode
+    steps' (per step, layer, request, request and layer) and prompt steps' (prefill_*: per
+    step, layer, prompt and layer); each step's fitted time and residual."""
     spec, dtype = p["spec"], p["dtype"]
+    tables = {layers: set_tflops(each, dataclasses.replace(spec, layers=layers).decode_products)
+              for layers in {q["layers"] for q in (*steps["decode"], *steps["prefill"])}}
+
+    def rates(q):                     # (peak TFLOPS, the table by rows) at q's depth
+        return tables[q["layers"]][prefill_rows], tables[q["layers"]]
     points = steps["decode"]
     for q in points:
         q.update(fit.predicted_floor(spec, q["layers"], q["batch"], q["context"], dtype, timing,
-                                     peak, matmul, reads))
+                                     *rates(q), reads))
         q["overhead_s"] = q["step_s"] - q["floor_s"]
     got = fit.fit_overheads([q["layers"] for q in points], [q["batch"] for q in points],
                             [q["overhead_s"] for q in points], [q["step_s"] for q in points])
@@ -127,13 +139,13 @@ def fit_steps(p: dict, steps: dict, timing, peak: float, matmul: dict, reads: di
     prompts = steps["prefill"]
     for q in prompts:
         q["floor_s"] = fit.predicted_prefill(spec, q["layers"], q["batch"], q["prompt"], dtype,
-                                             timing, peak, matmul, reads, {})
+                                             timing, *rates(q), reads, {})
     over.update(fit.fit_prefill_overheads(
         [q["layers"] for q in prompts], [q["batch"] for q in prompts],
         [q["step_s"] - q["floor_s"] for q in prompts], [q["step_s"] for q in prompts]))
     for q in prompts:
         q["fitted_s"] = fit.predicted_prefill(spec, q["layers"], q["batch"], q["prompt"], dtype,
-                                              timing, peak, matmul, reads, over)
+                                              timing, *rates(q), reads, over)
     got["prefill"] = fit.relative_residuals(prompts, "step_s", "fitted_s")
     return {"fit": got, "card": over}
 
@@ -146,9 +158,9 @@ def calibrate(args, progress=None) -> dict:
     started = time.perf_counter()
     p = check(args)
     load_before = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
-    effort = QUICK if args.quick else FULL
     torch = need_torch()
     show = progress or (lambda text: None)
+    effort = _effort(args, p, show)
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     m = _measure(args, p, effort, torch, show)
     doc = probe_document(p["device"], m["bw"], effort.run_sizes)
@@ -169,6 +181,24 @@ def calibrate(args, progress=None) -> dict:
     return _result(args, p, effort, m, values, load_before, started)
 
 
+def _effort(args, p: dict, show) -> Effort:
+    """QUICK or FULL, the engine's steps timed at the depths that the memory free holds (a
+    quarter kept for activations and graphs)."""
+    effort = QUICK if args.quick else FULL
+    from allocator.serving.models import DTYPES
+
+    free = p["device"]["free_bytes"]
+    anchors = matmul_bytes(p["products"], anchor_rows(args, effort), DTYPES[p["dtype"]])
+    depths = engine_steps.step_depths(effort, p["spec"], p["config"], p["dtype"],
+                                      None if free is None else free * 3 // 4 - anchors)
+    own = max(p["layers"], engine_steps.DEEP_ENOUGH)
+    if None in effort.fit_layers and max(depths) < own:
+        show(f"calibrate {p['device']['spec']}: the engine's steps at {max(depths)} layers, "
+             f"not {own}: {own} layers' weights and pool would not fit in "
+             f"{free / 1e9:.1f} GB free")
+    return dataclasses.replace(effort, fit_layers=depths)
+
+
 def _measure(args, p: dict, effort, torch, show) -> dict:
     """The five phases (module docstring), each with its progress line, and the overheads
     fitted on them: what the card and the result are made of."""
@@ -186,8 +216,6 @@ def _measure(args, p: dict, effort, torch, show) -> dict:
     timing = MeasuredTiming(f"probe:{dev['spec']}", bw["runs_gbps"], bw["seq_gbps"],
                             bw["copy_gbps"])
     mm, each, other["matmul"] = _measure_matmul(args, p, effort, torch, show)
-    peak = mm[dtype][args.prefill_tokens]
-    tflops_bf16 = mm["bfloat16"][args.prefill_tokens]
 
     batch, contexts = engine_steps.read_shape(effort, dev["device"])
     show(f"calibrate {dev['spec']}: the engine's attention reading {args.model}'s KV in runs of "
@@ -207,11 +235,23 @@ def _measure(args, p: dict, effort, torch, show) -> dict:
          f"{', '.join(map(str, effort.fit_batches))} x context "
          f"{', '.join(map(str, effort.fit_contexts))}, prefill "
          f"{', '.join(f'{b} x {n}' for b, n in effort.prefill_shapes)}, {effort.fit_reps} "
-         f"steps each")
+         f"steps each, among them the products at "
+         f"{', '.join(map(str, anchor_rows(args, effort)))} rows")
     load = OtherLoad()
-    steps = engine_steps.measure_steps(torch, dev, dtype, p["config"], effort, args.seed)
+    anchors = linear_calls(torch, dev["device"], getattr(torch, dtype),
+                           anchor_rows(args, effort), p["products"], effort, args.seed)
+    steps = engine_steps.measure_steps(torch, dev, dtype, p["config"], effort, args.seed,
+                                       anchors)
+    del anchors                   # their weights
     other["steps"] = load.share()
-    fitted = fit_steps(p, steps, timing, peak, mm[dtype], reads["gbps"])
+    # the products' table at the speed the machine ran the steps at
+    speed = steps_speed(each[dtype], steps["anchors"])
+    each = {d: {shape: {r: v * speed for r, v in t.items()} for shape, t in e.items()}
+            for d, e in each.items()}
+    mm = {d: {r: v * speed for r, v in t.items()} for d, t in mm.items()}
+    peak = mm[dtype][args.prefill_tokens]
+    tflops_bf16 = mm["bfloat16"][args.prefill_tokens]
+    fitted = fit_steps(p, steps, timing, each[dtype], args.prefill_tokens, reads["gbps"])
     fitting, over = fitted["fit"], fitted["card"]
     show(f"calibrate {dev['spec']}: the engine's serving loop, {engine_steps.LOOP_OUTPUT} "
          f"tokens of batch {min(effort.fit_batches)} and {max(effort.fit_batches)}")
@@ -224,10 +264,16 @@ def _measure(args, p: dict, effort, torch, show) -> dict:
     over["request_overhead_us"] += loop["request_s"] * 1e6
     points = steps["decode"]
     busy, loaded = _disturbances(dev, points, other, show)
-    return {"bw": bw, "timing": timing, "mm": mm, "each": each, "peak": peak,
+    return {"bw": bw, "timing": timing, "mm": mm, "each": each, "peak": peak, "speed": speed,
             "tflops_bf16": tflops_bf16, "reads": reads, "steps": steps, "fitting": fitting,
             "over": over, "loop": loop, "other": other, "points": points, "busy": busy,
             "loaded": loaded}
+
+
+def anchor_rows(args, effort) -> tuple:
+    """The row counts at which the products are timed again among the engine's steps: the
+    table's fewest and most decode rows and the prefill's."""
+    return tuple(sorted({effort.decode_rows[0], effort.decode_rows[-1], args.prefill_tokens}))
 
 
 def _measure_matmul(args, p: dict, effort, torch, show) -> tuple[dict, dict, float | None]:
@@ -288,6 +334,7 @@ def _result(args, p: dict, effort, m: dict, values: dict, load_before, started: 
                       "native_device": bw["native_device"], "fallback": bw["fallback"]},
         "matmul": {"products": [{"k": k, "n": n, "count": c} for (k, n), c in products.items()],
                    "prefill_rows": args.prefill_tokens,
+                   "steps_speed": m["speed"], "steps_speed_rows": list(anchor_rows(args, effort)),
                    "tflops": {d: {str(r): v for r, v in t.items()} for d, t in mm.items()},
                    "tflops_by_product": {d: {f"{k}x{n}": {str(r): v for r, v in t.items()}
                                              for (k, n), t in e.items()}
@@ -325,6 +372,9 @@ def format_summary(r: dict) -> str:
     for dtype, t in mm["tflops"].items():
         parts = [f"{rows} rows {x:.4g}" for rows, x in t.items()]
         lines.append(f"matmul {dtype} ({shapes}): " + ", ".join(parts) + " TFLOPS")
+    lines.append(f"the products ran {mm['steps_speed']:.3g}x as fast among the engine's steps "
+                 f"(at {', '.join(map(str, mm['steps_speed_rows']))} rows) as in their own "
+                 f"phase: the figures above are scaled by it")
     er = r["engine_reads"]
     lines.append(f"engine KV reads ({er['backend']} attention) by run: "
                  + ", ".join(f"{byte_text(int(b))} {g:.3g}" for b, g in er["gbps"].items())
@@ -408,10 +458,10 @@ def register(subparsers) -> None:
                     "rate by run length; and the per-step, per-layer, "
                     "per-request and per-request-per-layer overheads of the engine's decode "
                     "and prefill steps and its serving loop, fitted on --model cut to "
-                    "2 and 6 layers. link_gbps and link_latency_us are not measured: the card "
-                    "carries placeholders and says so. About 4 minutes for qwen2.5-0.5b on a quiet "
-                    "2-core CPU, most of it the LM head's products and steps (--quick "
-                    "--model tiny-llama: 15 s); "
+                    "2 layers and at its own depth. link_gbps and link_latency_us are not "
+                    "measured: the card carries placeholders and says so. About 7 minutes "
+                    "for qwen2.5-0.5b on a quiet 2-core CPU, most of it its steps at 24 "
+                    "layers and the LM head's products (--quick --model tiny-llama: 15 s); "
                     "other processes running meanwhile make every figure wrong, and a warning "
                     "says so.")
     p.add_argument("--device", default="torch:cpu", metavar="torch:DEV",
@@ -427,7 +477,8 @@ def register(subparsers) -> None:
     p.add_argument("--model", default="qwen2.5-0.5b", metavar="CONFIG",
                    help=f"the model the card is for: its matrix products (every layer's "
                         f"and the LM head's shapes) are timed, its KV read by the engine's "
-                        f"attention, and the engine's steps run on it cut to 2 and 6 layers. "
+                        f"attention, and the engine's steps run on it cut to 2 layers and at "
+                        f"its own depth. "
                         f"A config.json, a directory "
                         f"holding one, or one of {', '.join(shipped_configs())} (default "
                         f"qwen2.5-0.5b)")

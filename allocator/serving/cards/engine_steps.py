@@ -10,13 +10,14 @@ allocator, and decode_attention over run tables with the backend the engine pick
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
-import time
 
 import numpy as np
 
 from allocator.serving.cards.fit import nnls
-from allocator.serving.cards.measure import Effort, graphed, synchronizer
+from allocator.serving.cards.measure import (Effort, graphed, per_linear, synchronizer,
+                                             time_in_turns)
 
 FIT_POLICY = "static"                  # contiguous blocks, as the engine's odma and static keep
 READ_LAYERS = 4                        # layers of the pool the read measurement cycles through
@@ -27,24 +28,6 @@ def _quartiles(t: list) -> dict:
     q1, _, q3 = statistics.quantiles(t, n=4) if len(t) > 1 else (t[0], t[0], t[0])
     return {"step_s": statistics.median(t), "step_min_s": min(t), "step_max_s": max(t),
             "step_q1_s": q1, "step_q3_s": q3}
-
-
-def time_in_turns(sync, calls: list, warmup: int, reps: int) -> list[dict]:
-    """Median (and spread) seconds of each of `calls`, timed one call each per round: a burst of
-    load from elsewhere on the machine then slows every shape alike instead of all the calls of
-    one, which would bend a fit or a slope."""
-    for call in calls:
-        for _ in range(warmup):
-            call()
-    times = [[] for _ in calls]
-    for _ in range(reps):
-        for call, t in zip(calls, times):
-            sync()
-            t0 = time.perf_counter()
-            call()
-            sync()
-            t.append(time.perf_counter() - t0)
-    return [_quartiles(t) for t in times]
 
 
 # ------------------------------------------------------------------ the attention's read rate
@@ -112,8 +95,8 @@ def measure_engine_reads(torch, dev: dict, dtype: str, config, effort: Effort,
                                             backend=backend)
                 calls.append(graphed(torch, device, step))
                 shapes.append((tokens, context))
-        times = time_in_turns(synchronizer(torch, device), calls, effort.fit_warmup,
-                              effort.fit_reps)
+        times = [_quartiles(t) for t in time_in_turns(synchronizer(torch, device), calls,
+                                                      effort.fit_warmup, effort.fit_reps)]
     element = torch.empty((), dtype=tdtype).element_size()
     added = B * (long - short) * READ_LAYERS * 2 * kvh * D * element
     gbps, points = {}, []
@@ -160,7 +143,48 @@ def _engine(torch, dev, dtype, config, layers, blocks, max_len, max_batch, seed)
     return alloc, runner
 
 
-def measure_steps(torch, dev: dict, dtype: str, config, effort: Effort, seed: int) -> dict:
+DEEP_ENOUGH = 6      # the deeper fit depth at least: the fit tells a step's own cost from its
+                     # layers' by the difference between two depths
+
+
+def pool_shape(config, effort: Effort) -> tuple[int, int]:
+    """(blocks, tokens a block) of the static pool measure_steps serves its steps from: a block
+    for each request of the largest batch at each context, and for each prompt of the largest
+    prefill."""
+    contexts = [c for c in effort.fit_contexts if c < config.max_position_embeddings]
+    max_len = max(max(contexts), max(p for _, p in effort.prefill_shapes)) + 1
+    return max(effort.fit_batches) * len(contexts) + max(b for b, _ in effort.prefill_shapes), \
+        max_len
+
+
+def steps_bytes(spec, config, dtype: str, layers: int, effort: Effort) -> int:
+    """What measure_steps holds for its engine at `layers` layers: the weights and the pool
+    (_engine's, twice the blocks' tokens)."""
+    from allocator.serving.models import DTYPES, kv_bytes_per_token, with_layers
+
+    blocks, max_len = pool_shape(config, effort)
+    weights = dataclasses.replace(spec, layers=layers).params * DTYPES[dtype]
+    return weights + 2 * blocks * max_len * kv_bytes_per_token(with_layers(config, layers),
+                                                                dtype)
+
+
+def step_depths(effort: Effort, spec, config, dtype: str, free_bytes) -> tuple:
+    """effort.fit_layers with None made the model's own depth (at least DEEP_ENOUGH), or the
+    deepest that `free_bytes` (None: unknown) hold beside the other depths' engines: every
+    depth's engine lives until the steps are timed."""
+    if None not in effort.fit_layers:
+        return tuple(effort.fit_layers)
+    shallow = [d for d in effort.fit_layers if d is not None]
+    held = sum(steps_bytes(spec, config, dtype, d, effort) for d in shallow)
+    deep = max(spec.layers, DEEP_ENOUGH)
+    while (free_bytes is not None and deep > DEEP_ENOUGH
+           and held + steps_bytes(spec, config, dtype, deep, effort) > free_bytes):
+        deep -= 1
+    return tuple(sorted({*shallow, deep}))
+
+
+def measure_steps(torch, dev: dict, dtype: str, config, effort: Effort, seed: int,
+                  anchors: tuple = ((), ())) -> dict:
     """Median seconds of the engine's own steps on `config` cut to each of effort.fit_layers
     layers: decode steps (Runner.decode, then the argmax of every row read back once, as the
     serving loop takes a step's tokens) at each batch of effort.fit_batches x context of
@@ -168,12 +192,17 @@ def measure_steps(torch, dev: dict, dtype: str, config, effort: Effort, seed: in
     same position, so every timed step has the same shape); and whole-prompt prefill steps
     (Runner.prefill) of effort.prefill_shapes (requests x prompt tokens); the attention and
     CUDA graphs as the engine serves by default on the device. Shapes take turns
-    (time_in_turns). {"decode": [...], "prefill": [...]}, each point its shape and times."""
+    (time_in_turns), and so do `anchors`, (calls, keys) of measure.linear_calls: a few matrix
+    products timed among the steps, so that the products' table can be set to the speed the
+    machine ran the steps at. {"decode": [...], "prefill": [...], "anchors": per_linear of
+    the anchors}, each point its shape and times."""
+    from allocator.serving.models import head_dim
+
     contexts = [c for c in effort.fit_contexts if c < config.max_position_embeddings]
     most = max(effort.fit_batches)
-    max_len = max(max(contexts), max(p for _, p in effort.prefill_shapes)) + 1
-    blocks = most * len(contexts) + max(b for b, _ in effort.prefill_shapes)
+    blocks, max_len = pool_shape(config, effort)
     rng = np.random.default_rng(seed)
+    gen = torch.Generator().manual_seed(seed)
     allocs, calls, shapes = [], [], []
     try:
         for layers in effort.fit_layers:
@@ -182,13 +211,16 @@ def measure_steps(torch, dev: dict, dtype: str, config, effort: Effort, seed: in
             allocs.append(alloc)
             vocab = config.vocab_size
             for k, context in enumerate(contexts):
-                # requests of their own per context; their prompts' KV first, so that
-                # attention reads real numbers
+                # requests of their own per context, their KV random (written as a swap-in
+                # writes it: prefilling 32 prompts of 1,024 tokens through 24 layers took
+                # minutes of a 2-core CPU's calibration, for numbers whose values no timing
+                # depends on)
                 ids = list(range(k * most, (k + 1) * most))
+                kv = torch.randn((layers, 2, config.num_key_value_heads, context,
+                                  head_dim(config)), generator=gen).to(getattr(torch, dtype))
                 for i in ids:
                     alloc.reserve(i, context, 1, 0.0)
-                runner.prefill([(i, torch.from_numpy(rng.integers(3, vocab, context)))
-                                for i in ids])
+                    runner.kv.load(i, kv)
                 for batch in effort.fit_batches:
                     tokens = rng.integers(3, vocab, batch).tolist()
                     calls.append(_decode_call(runner, tokens, context, base=k * most))
@@ -199,14 +231,21 @@ def measure_steps(torch, dev: dict, dtype: str, config, effort: Effort, seed: in
                                            prompt))
                 base += batch
                 shapes.append(("prefill", layers, batch, prompt))
+        anchor_calls, anchor_keys = anchors
+        # after the anchors, whose weights stream through the caches, the round's first step
+        # once more, untimed: the next round's first step then finds the caches as every
+        # other step does (a tiny model's first step took a third longer without it)
+        rewarm = [calls[0]] if anchor_calls else []
         with torch.no_grad():
-            times = time_in_turns(synchronizer(torch, dev["device"]), calls, effort.fit_warmup,
+            times = time_in_turns(synchronizer(torch, dev["device"]),
+                                  [*calls, *anchor_calls, *rewarm], effort.fit_warmup,
                                   effort.fit_reps)
     finally:
         for alloc in allocs:
             alloc.close()
-    out = {"decode": [], "prefill": []}
-    for (kind, layers, batch, tokens), t in zip(shapes, times):
+    out = {"decode": [], "prefill": [],
+           "anchors": per_linear(anchor_keys, times[len(calls):len(calls) + len(anchor_calls)])}
+    for (kind, layers, batch, tokens), t in zip(shapes, map(_quartiles, times)):
         key = "context" if kind == "decode" else "prompt"
         out[kind].append({"layers": layers, "batch": batch, key: tokens, **t})
     return out

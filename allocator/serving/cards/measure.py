@@ -39,10 +39,19 @@ class Effort:
     decode_rows: tuple
     matmul_reps: int
     matmul_seconds: float              # least time of one timed batch of matmul calls
-    fit_layers: tuple                  # depths of --model the engine's steps are timed at
+    # depths of --model the engine's steps are timed at; None: the model's own (at least
+    # engine_steps.DEEP_ENOUGH), as deep as the memory holds. Fitted at 2 and 6 layers, the
+    # terms are extrapolated 4x to Qwen2.5-0.5B's 24, and so is the noise of the two depths'
+    # difference: on a 2-core CPU, two processes that timed the steps at 2, 6 and 24 layers
+    # found the (2, 6) fit's price of the 24-layer steps 9 % too high on average (rms 13 %)
+    # in one, 12 % too low (rms 14 %) in the other; fitted at 2 and 24, -1 % (rms 7 %) in both
+    fit_layers: tuple
     fit_batches: tuple                 # decode batches ...
     fit_contexts: tuple                # ... at each of these contexts (tokens)
-    prefill_shapes: tuple              # whole-prompt prefills: (requests, prompt tokens)
+    # whole-prompt prefills: (requests, prompt tokens). Many short prompts beside few long
+    # ones: with 4 x 128 the only step of several prompts, the cost a prompt adds to a layer
+    # came out at 0, 175 and 2,152 us in three calibrations of Qwen2.5-0.5B on one 2-core CPU
+    prefill_shapes: tuple
     fit_warmup: int
     fit_reps: int
     read_run_tokens: tuple             # the engine attention's reads: runs (pages) of these
@@ -53,9 +62,10 @@ class Effort:
 FULL = Effort(run_sizes=(64, 256, 1024, 4096, 16384, 65536, 262144, 1 << 20, 4 << 20),
               buffer_bytes=None, bandwidth_reps=7,
               decode_rows=tuple(range(1, 33)) + (48, 64, 96, 128),
-              matmul_reps=7, matmul_seconds=0.03, fit_layers=(2, 6),
+              matmul_reps=7, matmul_seconds=0.03, fit_layers=(2, None),
               fit_batches=(1, 2, 4, 8, 16, 32), fit_contexts=(16, 256, 1024),
-              prefill_shapes=((1, 64), (1, 512), (4, 128)), fit_warmup=5, fit_reps=21,
+              prefill_shapes=((1, 64), (1, 512), (4, 128), (16, 16)), fit_warmup=5,
+              fit_reps=21,
               read_run_tokens=(1, 4, 16, 64, 256), read_contexts=(512, 2048), read_batch=16)
 # --quick: a quarter of the working set (still far above this machine's 32 MiB L3), fewer
 # repetitions and shapes; for tests, where fit quality matters and absolute figures do not
@@ -285,14 +295,21 @@ def matmul_tflops(torch, device, dtype, rows_list, products: dict, effort: Effor
     all its FLOPs (2 rows k n each) over its summed time, so each shape weighs as much as a step
     spends in it. At a few rows the rate is steep and uneven from shape to shape (2x between
     Qwen2.5-0.5B's shapes at 6 rows on a 2-core CPU), so no one shape stands for the model."""
-    seconds = {shape: _linear_seconds(torch, device, dtype, rows_list, *shape, effort, seed)
-               for shape in products}
+    seconds = linear_seconds(torch, device, dtype, rows_list, products, effort, seed)
     each = {shape: {r: 2.0 * r * shape[0] * shape[1] / t / 1e12 for r, t in by_rows.items()}
             for shape, by_rows in seconds.items()}
-    whole = {r: sum(2.0 * r * k * n * c for (k, n), c in products.items())
-             / sum(seconds[shape][r] * c for shape, c in products.items()) / 1e12
-             for r in rows_list}
-    return whole, each
+    return set_tflops(each, products), each
+
+
+def set_tflops(each: dict, products: dict) -> dict:
+    """{rows: TFLOPS} of the set `products` ({(k, n): how many}) from each product's own rates
+    ({(k, n): {rows: TFLOPS}}, every row count of the first): all the set's FLOPs over the time
+    its products take together. The mix decides it: Qwen2.5-0.5B cut to 2 layers spends most of
+    its step in the LM head, at 24 layers most in the layers' products."""
+    rows_list = next(iter(each.values()))
+    return {r: sum(2.0 * r * k * n * c for (k, n), c in products.items())
+            / sum(2.0 * r * k * n * c / each[(k, n)][r] for (k, n), c in products.items())
+            for r in rows_list}
 
 
 def weight_copies(k: int, n: int, elsize: int) -> int:
@@ -301,10 +318,12 @@ def weight_copies(k: int, n: int, elsize: int) -> int:
     return max(1, min(MAX_WEIGHT_COPIES, math.ceil(COLD_WEIGHT_BYTES / (k * n * elsize))))
 
 
-def matmul_bytes(products, rows: int, elsize: int) -> int:
-    """The most memory the measurement of one of `products` ({(k, n): count}) holds at once: its
-    weight's copies, and its input and output at `rows` rows."""
-    return max(weight_copies(k, n, elsize) * k * n * elsize + rows * (k + n) * elsize
+def matmul_bytes(products, rows_list, elsize: int) -> int:
+    """The memory the measurement of `products` ({(k, n): count}) at each of `rows_list` holds
+    at once (linear_seconds times them all in turns): every product's weight copies, and an
+    input and an output at each row count (on CUDA each graph keeps its own)."""
+    rows = sum(rows_list)
+    return sum(weight_copies(k, n, elsize) * k * n * elsize + rows * (k + n) * elsize
                for k, n in products)
 
 
@@ -332,45 +351,97 @@ def graphed(torch, device, fn):
     return replay
 
 
-def _linear_seconds(torch, device, dtype, rows_list, k: int, n: int, effort: Effort,
-                    seed: int) -> dict:
-    """{rows: seconds of one F.linear(x, W)}: the median of batches of calls lasting at least
-    effort.matmul_seconds, W cycled through copies that add up to COLD_WEIGHT_BYTES; on CUDA
-    each pass over the copies one graph replay (graphed)."""
+def linear_seconds(torch, device, dtype, rows_list, products, effort: Effort,
+                   seed: int) -> dict:
+    """{(k, n): {rows: seconds of one F.linear(x, W)}} for each of `products` at each of
+    `rows_list` (linear_calls), every (shape, rows) one batch a round in turns (time_in_turns),
+    effort.matmul_reps rounds, the median. Timed one row count after another, a burst of load
+    elsewhere on the machine bent a stretch of neighbouring rows: four tables of Qwen2.5-0.5B's
+    products on a 2-core VM, the two ways alternating in one process, moved a row count's
+    figure by 17.5 % on average (37 % at most) one row after another, 11.6 % (21 %) in turns,
+    the two ways' medians alike (1.01x on average)."""
+    calls, keys = linear_calls(torch, device, dtype, rows_list, products, effort, seed)
+    return per_linear(keys, time_in_turns(synchronizer(torch, device), calls, 0,
+                                          effort.matmul_reps))
+
+
+def linear_calls(torch, device, dtype, rows_list, products, effort: Effort,
+                 seed: int) -> tuple[list, list]:
+    """(calls, keys): for each of `products` ({(k, n): ...}) at each of `rows_list`, a call
+    running a batch of passes of F.linear(x, W) lasting at least effort.matmul_seconds, W
+    cycled through copies that add up to COLD_WEIGHT_BYTES (on CUDA each pass over the copies
+    one graph replay, graphed); its key (k, n, rows, the F.linear calls in a batch)."""
     F = torch.nn.functional
     sync = synchronizer(torch, device)
     gen = torch.Generator(device="cpu").manual_seed(seed)
     elsize = torch.empty((), dtype=dtype).element_size()
-    copies = weight_copies(k, n, elsize)
-    weights = [(torch.randn((n, k), generator=gen) / math.sqrt(k)).to(device=device, dtype=dtype)
-               for _ in range(copies)]
-    out = {}
-    for rows in rows_list:
-        x = torch.randn((rows, k), generator=gen).to(device=device, dtype=dtype)
+    calls, keys = [], []
+    for k, n in products:
+        weights = [(torch.randn((n, k), generator=gen) / math.sqrt(k)).to(device=device,
+                                                                       dtype=dtype)
+                   for _ in range(weight_copies(k, n, elsize))]
+        for rows in rows_list:
+            x = torch.randn((rows, k), generator=gen).to(device=device, dtype=dtype)
 
-        def every_copy():
-            for w in weights:
-                F.linear(x, w)
+            def every_copy(x=x, weights=weights):
+                for w in weights:
+                    F.linear(x, w)
 
-        sync()
-        every_copy()                          # warm-up: every copy once
-        passes = graphed(torch, device, every_copy)
-        sync()
-        t0 = time.perf_counter()
-        passes()
-        sync()
-        one = max(time.perf_counter() - t0, 1e-7)
-        calls = max(1, min(100_000, math.ceil(effort.matmul_seconds / one)))
-        times = []
-        for _ in range(effort.matmul_reps):
+            sync()
+            every_copy()                          # warm-up: every copy once
+            passes = graphed(torch, device, every_copy)
             sync()
             t0 = time.perf_counter()
-            for _ in range(calls):
-                passes()
+            passes()
             sync()
-            times.append(time.perf_counter() - t0)
-        out[rows] = statistics.median(times) / (calls * copies)
+            one = max(time.perf_counter() - t0, 1e-7)
+            batch = max(1, min(100_000, math.ceil(effort.matmul_seconds / one)))
+
+            def timed(passes=passes, batch=batch):
+                for _ in range(batch):
+                    passes()
+            calls.append(timed)
+            keys.append((k, n, rows, batch * len(weights)))
+    return calls, keys
+
+
+def per_linear(keys: list, times: list) -> dict:
+    """{(k, n): {rows: the median seconds of one F.linear}} of linear_calls' keys and the
+    seconds each call took, a list each."""
+    out: dict = {}
+    for (k, n, rows, linears), t in zip(keys, times):
+        out.setdefault((k, n), {})[rows] = statistics.median(t) / linears
     return out
+
+
+def steps_speed(each: dict, anchors: dict) -> float:
+    """How many times as fast the products ran when timed among the engine's steps (`anchors`,
+    per_linear's seconds of a few (shape, rows)) as in the matmul phase (`each`, TFLOPS by
+    shape and rows): the median of the (shape, rows) ratios. On a shared host the two phases
+    can run minutes apart at different speeds: three calibrations on a 2-core VM put the
+    whole model's products at 256 rows at 0.163, 0.211 and 0.147 TFLOPS while its steps took
+    the same time within 5 %."""
+    ratios = [2.0 * rows * k * n / seconds / 1e12 / each[(k, n)][rows]
+              for (k, n), by_rows in anchors.items() for rows, seconds in by_rows.items()]
+    return float(statistics.median(ratios))
+
+
+def time_in_turns(sync, calls: list, warmup: int, reps: int) -> list[list]:
+    """The seconds of each of `calls`, `reps` times each, timed one call each per round: a burst
+    of load from elsewhere on the machine then slows every shape alike instead of all the calls
+    of one, which would bend a fit, a slope or a table."""
+    for call in calls:
+        for _ in range(warmup):
+            call()
+    times = [[] for _ in calls]
+    for _ in range(reps):
+        for call, t in zip(calls, times):
+            sync()
+            t0 = time.perf_counter()
+            call()
+            sync()
+            t.append(time.perf_counter() - t0)
+    return times
 
 
 def disturbed(points) -> list[dict]:

@@ -191,7 +191,8 @@ def card_contents(args, p: dict, effort, m: dict, when: str, measured: str | Non
         f"{peak:.4g} TFLOPS (mfu 1: the engine's matrix products reach this)"
         + (f"; bfloat16 {tflops_bf16:.4g}" if dtype != "bfloat16" else "")
         + "; at decode rows " + ", ".join(f"{r}: {decode[r]:.3g}" for r in effort.decode_rows)
-        + f" TFLOPS. The engine's KV reads ({reads['backend']} attention) by run: "
+        + f" TFLOPS (x{m['speed']:.3g}: as fast as the products ran among the engine's steps "
+        f"against their own phase). The engine's KV reads ({reads['backend']} attention) by run: "
         + ", ".join(f"{byte_text(b)} {g:.4g}" for b, g in reads["gbps"].items())
         + f" GB/s. Overheads fitted on the engine's decode steps of {args.model} at "
         f"{'/'.join(map(str, effort.fit_layers))} layers, batch "
