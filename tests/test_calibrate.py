@@ -841,7 +841,7 @@ def test_the_overheads_fitted_on_two_depths_are_recovered_with_each_depths_own_m
                                      "step_s": 2 * calfit.predicted_prefill(
                                          spec, layers, batch, prompt, "float32", timing,
                                          table[64], table, None, {})})
-    got = cal.fit_steps({"spec": spec, "dtype": "float32"}, steps, timing, each, 64, None)
+    got = calfit.fit_steps(spec, "float32", steps, timing, each, 64, None)
     assert [got["fit"][key] for key in ("step_s", "layer_s", "request_s", "layer_request_s")] \
         == pytest.approx([k, a, b, c], rel=1e-6)
     assert got["fit"]["max_relative_residual"] < 1e-9

@@ -61,8 +61,7 @@ from allocator.serving.cards.measure import (BUSY_OTHER_SHARE, FULL, MEMORY_MODE
                                              TORCH_SOURCE, Effort, OtherLoad, disturbed,
                                              engine_dtype, linear_calls, matmul_bytes,
                                              matmul_tflops, measure_memory, memory_plan,
-                                             need_torch, open_torch_device, set_tflops,
-                                             steps_speed)
+                                             need_torch, open_torch_device, steps_speed)
 from allocator.serving.cards.write import (byte_text, card_contents, card_json, card_paths,
                                            card_text, check_card, probe_document)
 
@@ -110,44 +109,6 @@ def check(args) -> dict:
     return {"card": card, "probe": probe, "device": dev, "dtype": dtype, "config": config,
             "spec": spec, "products": spec.decode_products, "layers": spec.layers,
             "memory": memory}
-
-
-def fit_steps(p: dict, steps: dict, timing, each: dict, prefill_rows: int,
-              reads: dict) -> dict:
-    """The card's overheads fitted on the engine's steps (what the simulator's own memory and
-    compute terms leave of each, KV reads at the engine's measured rate, the matrix products
-    at the rate of the depth's own mix of them, from `each` product's rates by rows): decode
-    steps' (per step, layer, request, request and layer) and prompt steps' (prefill_*: per
-    step, layer, prompt and layer); each step's fitted time and residual."""
-    spec, dtype = p["spec"], p["dtype"]
-    tables = {layers: set_tflops(each, dataclasses.replace(spec, layers=layers).decode_products)
-              for layers in {q["layers"] for q in (*steps["decode"], *steps["prefill"])}}
-
-    def rates(q):                     # (peak TFLOPS, the table by rows) at q's depth
-        return tables[q["layers"]][prefill_rows], tables[q["layers"]]
-    points = steps["decode"]
-    for q in points:
-        q.update(fit.predicted_floor(spec, q["layers"], q["batch"], q["context"], dtype, timing,
-                                     *rates(q), reads))
-        q["overhead_s"] = q["step_s"] - q["floor_s"]
-    got = fit.fit_overheads([q["layers"] for q in points], [q["batch"] for q in points],
-                            [q["overhead_s"] for q in points], [q["step_s"] for q in points])
-    for q, f in zip(points, got.pop("fitted_s")):
-        q["fitted_s"] = q["floor_s"] + float(f)
-    got.update(fit.relative_residuals(points, "step_s", "fitted_s"))
-    over = fit.card_overheads(got)
-    prompts = steps["prefill"]
-    for q in prompts:
-        q["floor_s"] = fit.predicted_prefill(spec, q["layers"], q["batch"], q["prompt"], dtype,
-                                             timing, *rates(q), reads, {})
-    over.update(fit.fit_prefill_overheads(
-        [q["layers"] for q in prompts], [q["batch"] for q in prompts],
-        [q["step_s"] - q["floor_s"] for q in prompts], [q["step_s"] for q in prompts]))
-    for q in prompts:
-        q["fitted_s"] = fit.predicted_prefill(spec, q["layers"], q["batch"], q["prompt"], dtype,
-                                              timing, *rates(q), reads, over)
-    got["prefill"] = fit.relative_residuals(prompts, "step_s", "fitted_s")
-    return {"fit": got, "card": over}
 
 
 def calibrate(args, progress=None) -> dict:
@@ -251,7 +212,8 @@ def _measure(args, p: dict, effort, torch, show) -> dict:
     mm = {d: {r: v * speed for r, v in t.items()} for d, t in mm.items()}
     peak = mm[dtype][args.prefill_tokens]
     tflops_bf16 = mm["bfloat16"][args.prefill_tokens]
-    fitted = fit_steps(p, steps, timing, each[dtype], args.prefill_tokens, reads["gbps"])
+    fitted = fit.fit_steps(p["spec"], dtype, steps, timing, each[dtype], args.prefill_tokens,
+                           reads["gbps"])
     fitting, over = fitted["fit"], fitted["card"]
     show(f"calibrate {dev['spec']}: the engine's serving loop, {engine_steps.LOOP_OUTPUT} "
          f"tokens of batch {min(effort.fit_batches)} and {max(effort.fit_batches)}")

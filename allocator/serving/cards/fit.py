@@ -12,6 +12,8 @@ import numpy as np
 
 from odma_cli.errors import BadArgument
 
+from allocator.serving.cards.measure import set_tflops
+
 # ----------------------------------------------------------------------------- the fit
 def nnls(A, y) -> np.ndarray:
     """argmin ||A x - y|| over x >= 0, for a few columns: the least-squares solution on every
@@ -154,3 +156,40 @@ def relative_residuals(points, measured: str, fitted: str) -> dict:
     rel = np.array(rel)
     return {"rms_relative_residual": float(np.sqrt(np.mean(rel ** 2))) if rel.size else 0.0,
             "max_relative_residual": float(np.abs(rel).max()) if rel.size else 0.0}
+
+
+def fit_steps(spec, dtype: str, steps: dict, timing, each: dict, prefill_rows: int,
+              reads: dict) -> dict:
+    """The card's overheads fitted on the engine's steps (what the simulator's own memory and
+    compute terms leave of each, KV reads at the engine's measured rate, the matrix products
+    at the rate of the depth's own mix of them, from `each` product's rates by rows): decode
+    steps' (per step, layer, request, request and layer) and prompt steps' (prefill_*: per
+    step, layer, prompt and layer); each step's fitted time and residual."""
+    tables = {layers: set_tflops(each, dataclasses.replace(spec, layers=layers).decode_products)
+              for layers in {q["layers"] for q in (*steps["decode"], *steps["prefill"])}}
+
+    def rates(q):                     # (peak TFLOPS, the table by rows) at q's depth
+        return tables[q["layers"]][prefill_rows], tables[q["layers"]]
+    points = steps["decode"]
+    for q in points:
+        q.update(predicted_floor(spec, q["layers"], q["batch"], q["context"], dtype, timing,
+                                 *rates(q), reads))
+        q["overhead_s"] = q["step_s"] - q["floor_s"]
+    got = fit_overheads([q["layers"] for q in points], [q["batch"] for q in points],
+                        [q["overhead_s"] for q in points], [q["step_s"] for q in points])
+    for q, f in zip(points, got.pop("fitted_s")):
+        q["fitted_s"] = q["floor_s"] + float(f)
+    got.update(relative_residuals(points, "step_s", "fitted_s"))
+    over = card_overheads(got)
+    prompts = steps["prefill"]
+    for q in prompts:
+        q["floor_s"] = predicted_prefill(spec, q["layers"], q["batch"], q["prompt"], dtype,
+                                         timing, *rates(q), reads, {})
+    over.update(fit_prefill_overheads(
+        [q["layers"] for q in prompts], [q["batch"] for q in prompts],
+        [q["step_s"] - q["floor_s"] for q in prompts], [q["step_s"] for q in prompts]))
+    for q in prompts:
+        q["fitted_s"] = predicted_prefill(spec, q["layers"], q["batch"], q["prompt"], dtype,
+                                          timing, *rates(q), reads, over)
+    got["prefill"] = relative_residuals(prompts, "step_s", "fitted_s")
+    return {"fit": got, "card": over}
