@@ -12,6 +12,7 @@
 #     --platform manylinux2014_x86_64 -d .device/whl cffi==2.1.1 pycparser==3.12 \
 #     setuptools==84.2.1 wheel packaging transformers==5.24.0
 # Dry run on a CPU: DEV=torch:cpu SMALL=1 OUT=/tmp/gout bash bench/gpu_check.sh
+# STEPS="check_tiny_* speed32" runs only the steps whose names match one of those patterns.
 set -u
 : "${OUT:?set OUT to a results folder}" "${DEV:=torch:cuda:0}"
 : "${SMALL:=0}" "${BUDGET:=480}"
@@ -20,7 +21,11 @@ exec > >(tee -a "$OUT/log.txt") 2>&1
 export PYTHONUNBUFFERED=1
 deadline=$((SECONDS + BUDGET))
 step() {  # step NAME SECONDS CMD... (stdout to $R/NAME.out); the command's status in $rc
-  local name=$1 t=$2; shift 2
+  local name=$1 t=$2 p; shift 2
+  if [ -n "${STEPS:-}" ]; then   # STEPS="glob ...": only the steps named (a short rerun)
+    rc=124; for p in $STEPS; do [[ $name == $p ]] && rc=0; done
+    ((rc == 0)) || return
+  fi
   local left=$((deadline - SECONDS - 20)); ((t > left)) && t=$left
   ((t < 5)) && { echo "=== $name SKIPPED (no time)"; rc=124; return; }
   echo "=== $name (limit ${t}s) $*"
@@ -65,75 +70,84 @@ ALL=odma,static,s3,oracle,paged,extent,elastic
 FIVE=odma,static,paged,extent,elastic
 gb() { awk "BEGIN { print $1 / 1000 }"; }   # MB -> GB
 E="$OH engine --device $DEV"
-# 0. a card of this device: the native probe of its memory, matmul throughput, the engine's own
-# KV reads and steps (calibrate); the engine's extents take their knee from it, as simulate's
-QUICK=; [ "$SMALL" = 1 ] && QUICK=--quick
-step calibrate 150 $OH calibrate --device $DEV --model $MODEL $QUICK --out "$R/card.toml" --json
-CARD="$R/card.toml"; [ $rc = 0 ] || CARD=h100-sxm
-# 1. correctness on the device, every policy, a pool small enough to force migrations; where
-# it fails, again without CUDA graphs, then with torch's attention, and the rest runs as the
-# first that passed
-G=auto; ATT=auto
-for try in "auto auto" "off auto" "off torch"; do
-  set -- $try; G=$1; ATT=$2
-  step check_tiny_${G}_${ATT} 60 $E --cuda-graphs $G --attention $ATT --model tiny-qwen2 \
-    --trace "$R/check_tiny.csv" --requests $TINYN --kv-pool-gb 0.0005 --policy $ALL --check --json
+# until calibrate has made this card's own, the engine's extents take their knee from the
+# preset of the card at hand
+CARD=h100-sxm; nvidia-smi -L 2>/dev/null | grep -q H200 && CARD=h200
+# 1. correctness on the device, every policy, a pool small enough to force migrations, in
+# float32 (the check's tight tolerance; the model's own check below is bfloat16); where it
+# fails, again without the fused layers, without CUDA graphs, then with torch's attention, and
+# the rest runs as the first that passed
+G=auto; ATT=auto; FUSED=auto
+for try in "auto auto auto" "auto auto off" "off auto off" "off torch off"; do
+  set -- $try; G=$1; ATT=$2; FUSED=$3
+  step check_tiny_${G}_${ATT}_${FUSED} 60 $E --cuda-graphs $G --attention $ATT \
+    --fused-layers $FUSED --model tiny-qwen2 --dtype float32 --trace "$R/check_tiny.csv" \
+    --requests $TINYN --kv-pool-gb 0.0005 --policy $ALL --check --json
   [ $rc = 0 ] && break
 done
-echo "=== the engine runs below: --cuda-graphs $G --attention $ATT"
-E="$E --cuda-graphs $G --attention $ATT --model $MODEL --dtype $DT --card $CARD"
-S="$OH simulate --card $CARD --model $MODEL --dtype ${DT/bfloat16/bf16}"
-S="${S/float32/fp32}"
-# 2. the model's own check (bf16), every policy
-step check_model 100 $E --trace "$R/check_model.csv" --kv-pool-gb 0.064 --policy $ALL --check \
-  --json
-# 3. speed: the first GPU run's 32 requests (max batch 32, 512 MB), every policy and
+echo "=== the engine runs below: --cuda-graphs $G --attention $ATT --fused-layers $FUSED"
+EM="$E --cuda-graphs $G --attention $ATT --model $MODEL --dtype $DT"   # each run names its card
+E="$EM --fused-layers $FUSED --card $CARD"
+# 2. speed: the first GPU run's 32 requests (max batch 32, 512 MB), every policy and
 # transformers' continuous batching
 step speed32 150 $E --trace "$R/t32.csv" --max-batch $MB --kv-pool-gb $(gb $POOL) \
   --policy $FIVE,hf --json
 # the same run's odma and paged with transformers' modules in place of the fused layers:
 # the launches a layer costs, side by side on the card
-step speed32_modules 50 $E --fused-layers off --trace "$R/t32.csv" --max-batch $MB \
-  --kv-pool-gb $(gb $POOL) --policy odma,paged --json
+step speed32_modules 50 $EM --card $CARD --fused-layers off --trace "$R/t32.csv" \
+  --max-batch $MB --kv-pool-gb $(gb $POOL) --policy odma,paged --json
 # and with whole prompts over the run tables (one launch a layer) in place of flash attention
 # per prompt: which the prefill steps should use
 step speed32_prompt_runs 50 $E --prompt-attention runs --trace "$R/t32.csv" --max-batch $MB \
   --kv-pool-gb $(gb $POOL) --policy odma,paged --json
-# 4. the full run: 256 requests, prompts <= 2048, outputs <= 256, max batch 128, a 4 GB pool
+# 3. the full run: 256 requests, prompts <= 2048, outputs <= 256, max batch 128, a 4 GB pool
 # (odma first, as on the runs where it trailed static; each row counts the kernels compiled
 # inside its timed run)
 step full256 130 $E --trace "$R/t256.csv" --max-batch $BIGMB --kv-pool-gb $(gb $BIGPOOL) \
   --max-model-len $BIGLEN --policy $FIVE --json
-# 5. simulate's predictions of those runs (the card, and the h100-sxm preset)
-for C in "$CARD" h100-sxm; do
+# 4. a card of this device: the native probe of its memory, matmul throughput, the engine's own
+# KV reads and steps (calibrate)
+QUICK=; [ "$SMALL" = 1 ] && QUICK=--quick
+PRESET=$CARD
+step calibrate 150 $OH calibrate --device $DEV --model $MODEL $QUICK --out "$R/card.toml" --json
+[ $rc = 0 ] && CARD="$R/card.toml"
+# 5. simulate's predictions of those runs (the card calibrated here, and the preset)
+S="$OH simulate --model $MODEL --dtype ${DT/bfloat16/bf16}"
+S="${S/float32/fp32}"
+for C in $(printf '%s\n' "$CARD" "$PRESET" | sort -u); do
   n=$(basename "$C" .toml)
-  S2="${S/--card $CARD/--card $C}"
-  step sim32_$n 30 $S2 --trace "$R/t32.csv" --max-batch $MB --kv-pool-gb $(gb $POOL) \
+  step sim32_$n 30 $S --card $C --trace "$R/t32.csv" --max-batch $MB --kv-pool-gb $(gb $POOL) \
     --policy $FIVE --json
-  step sim32c_$n 30 $S2 --trace "$R/t32.csv" --max-batch $MB --kv-pool-gb $(gb $POOL) \
-    --max-num-batched-tokens 2048 --policy odma,paged --json
-  step sim256_$n 30 $S2 --trace "$R/t256.csv" --max-batch $BIGMB \
+  step sim32c_$n 30 $S --card $C --trace "$R/t32.csv" --max-batch $MB \
+    --kv-pool-gb $(gb $POOL) --max-num-batched-tokens 2048 --policy odma,paged --json
+  step sim256_$n 30 $S --card $C --trace "$R/t256.csv" --max-batch $BIGMB \
     --kv-pool-gb $(gb $BIGPOOL) --max-model-len $BIGLEN --policy $FIVE --json
 done
-# the full run's first two policies the other way round: whatever the first policy measured
-# pays that the warm-up did not (it trailed static by 1.5-1.9x on the first H100 runs)
-step full256_rev 60 $E --trace "$R/t256.csv" --max-batch $BIGMB --kv-pool-gb $(gb $BIGPOOL) \
-  --max-model-len $BIGLEN --policy static,odma --json
-# 6. as time allows: chunked prefill; transformers at its best (its own CUDA graphs asked
-# for) on both runs; the decode kernel's KV read rate by layout (beside the probe's
-# sequential read in calibrate's card) and a decode step from its graph, fused and not
-step speed32_chunked 60 $E --trace "$R/t32.csv" --max-batch $MB --kv-pool-gb $(gb $POOL) \
-  --max-num-batched-tokens 2048 --policy odma,paged --json
-HFG=${E/--cuda-graphs $G/--cuda-graphs on}
+E="$EM --fused-layers $FUSED --card $CARD"
+# 6. the model's own check (bf16), every policy
+step check_model 100 $E --trace "$R/check_model.csv" --kv-pool-gb 0.064 --policy $ALL --check \
+  --json
+# 7. as time allows: transformers at its best (its own CUDA graphs asked for) on both runs;
+# the decode kernel's KV read rate by layout (beside the probe's sequential read in
+# calibrate's card) and a decode step from its graph, fused and not; chunked prefill; the full
+# run's first two policies the other way round (whatever the first policy measured pays that
+# the warm-up did not: it trailed static by 1.5-1.9x on the first H100 runs)
+HFG="$EM --cuda-graphs on --card $CARD"
 if [ "${HF_GRAPHS:-1}" = 1 ]; then
   step speed32_hf_graphs 40 $HFG --trace "$R/t32.csv" --max-batch $MB --kv-pool-gb $(gb $POOL) \
     --policy hf --json
-  step full256_hf 70 $HFG --trace "$R/t256.csv" --max-batch $BIGMB --kv-pool-gb $(gb $BIGPOOL) \
-    --max-model-len $BIGLEN --policy hf --json
 fi
 step kernel_bench 100 $PY -m pytest bench/bench_run_attention.py \
   bench/bench_engine.py::test_cuda_graph_decode_step --benchmark-only -q \
   -p no:cacheprovider --benchmark-json "$R/kernel_bench.json"
+step speed32_chunked 60 $E --trace "$R/t32.csv" --max-batch $MB --kv-pool-gb $(gb $POOL) \
+  --max-num-batched-tokens 2048 --policy odma,paged --json
+step full256_rev 60 $E --trace "$R/t256.csv" --max-batch $BIGMB --kv-pool-gb $(gb $BIGPOOL) \
+  --max-model-len $BIGLEN --policy static,odma --json
+if [ "${HF_GRAPHS:-1}" = 1 ]; then
+  step full256_hf 70 $HFG --trace "$R/t256.csv" --max-batch $BIGMB --kv-pool-gb $(gb $BIGPOOL) \
+    --max-model-len $BIGLEN --policy hf --json
+fi
 cp "$R"/card.* "$OUT"/ 2>/dev/null
 $PY bench/gpu_summary.py "$R" | tee "$OUT/summary.txt"
 (cd /tmp && tar czf "$OUT/r.tgz" gpu-r)

@@ -142,6 +142,39 @@ def test_the_check_agrees_with_the_reference_and_catches_a_corrupted_kv(tiny, mo
     assert te.check_tokens(model, prompts, bad["tokens"], bad["top_logits"])["mismatches"] > 0
 
 
+class _FixedLogits(torch.nn.Module):
+    """A 'model' whose every position scores four tokens as given, in bfloat16."""
+
+    def __init__(self, scores):
+        super().__init__()
+        self.scores = torch.nn.Parameter(torch.tensor(scores, dtype=torch.bfloat16))
+
+    def forward(self, seq):
+        logits = self.scores.expand(seq.shape[1], -1)[None]
+        return type("Out", (), {"logits": logits})()
+
+
+@pytest.mark.parametrize("engine_scores, kept, verdict", [
+    ((4.96875, 5.0, 1.0, 0.0), 4, "near tie"),  # each logit one bf16 ulp off: the two swap
+    ((5.0, 4.96875, 1.0, 0.0), 4, "agrees"),
+    ((4.96875, 5.0, 1.0, 0.0), 1, "mismatch"),  # the reference's best not among those kept
+    ((4.75, 5.0, 1.0, 0.0), 4, "mismatch"),     # token 0 moved 0.25: beyond 3e-2 x (1 + 5)
+])
+def test_the_check_excuses_a_flip_its_logit_differences_explain(engine_scores, kept, verdict):
+    """In bfloat16 the engine's logits and the reference's differ by an ulp (0.03125 near 5):
+    two tokens an ulp apart swap, a flip the logit tolerance allows. Such a flip is a near
+    tie; one the kept logits cannot account for, or whose logits moved beyond the tolerance,
+    is a mismatch."""
+    model = _FixedLogits([5.0, 4.96875, 1.0, 0.0])
+    top = torch.topk(torch.tensor(engine_scores), kept)
+    chosen = int(top.indices[0])
+    got = te.check_tokens(model, [torch.tensor([1, 2])], [[chosen]],
+                          [[(top.values, top.indices)]])
+    assert got["mismatches"] == (verdict == "mismatch")
+    if verdict != "mismatch":
+        assert got["near_ties"] == (verdict == "near tie")
+
+
 def test_no_kv_is_read_from_a_released_or_stale_block(tiny, monkeypatch):
     """Every run table is built from the request's live block (or, for a migration's copy,
     the block named), and a cached region list is never stale: it equals one built afresh."""

@@ -84,3 +84,16 @@ def test_step_values_are_not_specialised():
     assert "layer" in kernels["store"].do_not_specialize
     assert "layer" in kernels["prefill"].do_not_specialize
     assert "layer" in kernels["rope_store"].do_not_specialize
+
+
+@pytest.mark.parametrize("name", sorted({n.removesuffix("_direct") for n in CONSTANTS}))
+def test_launch_reads_the_constexpr_parameters(name):
+    """A launch on a GPU takes the kernel's tl.constexpr parameters from its annotations; the
+    per-mode copy of a kernel must keep them (a copy without them failed on an H200 with
+    "arange's arguments must be of type tl.constexpr"), which the ahead-of-time compile
+    above, given its constants by name, does not see."""
+    kern = run_kernels.kernels(False)[name]
+    annotated = [p for p, a in inspect.signature(kern.fn).parameters.items()
+                 if "constexpr" in str(a.annotation)]
+    assert annotated, "the copy lost its annotations"
+    assert [p.name for p in kern.params if p.is_constexpr] == annotated

@@ -221,8 +221,11 @@ def kernels(interpret: bool) -> dict:
         helper = make
     scope = dict(globals(), tl=tl_mod)
 
-    def own(fn):
-        return types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__)
+    def own(fn):   # the annotations too: the compiler reads tl.constexpr from them
+        copy = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__)
+        copy.__annotations__ = dict(fn.__annotations__)
+        copy.__module__, copy.__qualname__ = fn.__module__, fn.__qualname__
+        return copy
     scope.update((fn.__name__, helper(own(fn))) for fn in _HELPERS)
     # the split count S and the layer are values, not specialisations: a step whose batch size
     # picks another S (an eager mixed step, a batch between two graph sizes) or a layer whose
