@@ -1,19 +1,26 @@
 """The engine's Triton kernels compile for an H100 (sm_90) here, where no GPU is: triton's own
 compiler and ptxas build each kernel ahead of time, as the first launch on a GPU would. The
 interpreter runs their arithmetic in the other tests; this proves the compiled mode accepts them
-(a kernel the interpreter runs may still fail to compile), that the layer kernels' bfloat16
+(a kernel the interpreter runs may still fail to compile), that the engine's own launches
+bind their arguments and compile through triton's launch path as on a GPU, that the layer
+kernels' bfloat16
 conversions round to nearest even there (the interpreter of triton 3.6 truncates), and that
 the values a step changes (the decode split count, the layer) stay run-time arguments: one
 compilation serves every batch size, so none lands inside a timed run."""
 
+import collections
 import inspect
 import re
 
+import numpy as np
 import pytest
 
 from allocator.serving.engine import run_kernels
 
+# imported before any test sets TRITON_INTERPRET=1: triton's library functions (the reductions'
+# combine functions) are then decorated for the compiled mode, as on a GPU
 triton = pytest.importorskip("triton")
+torch = pytest.importorskip("torch")
 
 PTR = {"pool_ptr": "*bf16", "q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16",
        "out_ptr": "*bf16", "run_off_ptr": "*i64", "slot_ptr": "*i64", "slot_cap_ptr": "*i64",
@@ -97,3 +104,116 @@ def test_launch_reads_the_constexpr_parameters(name):
                  if "constexpr" in str(a.annotation)]
     assert annotated, "the copy lost its annotations"
     assert [p.name for p in kern.params if p.is_constexpr] == annotated
+
+
+class _Sm90Driver:
+    """What triton's launch path asks of the active driver before it compiles: an H100's
+    target, device 0 and its stream (never used: nothing is launched)."""
+
+    def get_current_target(self):
+        from triton.backends.compiler import GPUTarget
+        return GPUTarget("cuda", 90, 32)
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+
+@pytest.fixture
+def sm90_launches(monkeypatch):
+    """The engine's Triton launches through triton's own launch path for an H100, with no GPU:
+    the compiled-mode kernel binds the call's arguments (its tl.constexpr parameters read from
+    its annotations, the others specialised by type, value and alignment) and compiles for
+    sm_90, as a GPU's first launch does; then, where asked (`.run = True`), the interpreted copy
+    of the same kernel runs the call on the CPU, so the engine's results stay checkable.
+    .launched counts the launches by kernel."""
+    from triton.runtime import driver
+    from triton.runtime.jit import JITFunction
+
+    state = type("Launches", (), {"launched": collections.Counter(), "run": True})()
+    names = {id(k): name for name, k in run_kernels.kernels(False).items()}
+    interpreted = run_kernels.kernels(True)
+    compile_then_interpret = JITFunction.run
+
+    def launch(self, *args, grid, warmup, **kwargs):
+        try:
+            kernel = compile_then_interpret(self, *args, grid=grid, warmup=True, **kwargs)
+        except RuntimeError as exc:
+            if "ptxas" in str(exc).lower() and "not found" in str(exc).lower():
+                pytest.skip(f"no ptxas here: {exc}")
+            raise
+        state.launched[names[id(self)]] += 1
+        if state.run and not warmup:
+            interpreted[names[id(self)]][grid](*args, **kwargs)
+        return kernel
+
+    from allocator.serving.engine import run_attention
+
+    monkeypatch.setattr(run_attention, "interpreting", lambda: True)  # Triton on the CPU...
+    monkeypatch.setattr(run_kernels, "interpreting", lambda: False)   # ...its compiled kernels
+    monkeypatch.setattr(JITFunction, "run", launch)
+    # set, and put back as it was (triton's reset_active would look for a real GPU driver)
+    monkeypatch.setattr(driver, "_active", _Sm90Driver())
+    return state
+
+
+@pytest.mark.parametrize("fused,chunk", [("on", 16), ("on", None), ("off", 16)],
+                         ids=["fused-chunked", "fused", "modules-chunked"])
+def test_the_engine_launches_its_kernels_as_a_gpu_would(sm90_launches, fused, chunk):
+    """A float32 run of the engine (the GPU check's tiny run) whose every Triton launch goes
+    through triton's launch path for sm_90 first: every call site's arguments bind and compile,
+    and the tokens are generate()'s (an H200 failed every launch that the ahead-of-time compile
+    above passed: the kernels had lost their annotations)."""
+    from allocator.config import AllocatorConfig
+    from allocator.serving import models
+    from allocator.serving.engine import serve as te
+    from test_hf_reference import reference
+
+    cfg, _ = models.load_config("tiny-qwen2")
+    model = te.build_model(cfg, "float32", "cpu", seed=0)
+    rng = np.random.default_rng(5)
+    prompts = te.prompt_ids(5, rng.integers(2, 30, 5), cfg.vocab_size, 4)
+    gen = [int(g) for g in rng.integers(1, 8, 5)]
+    run = te.serve(model, prompts, gen, np.zeros(len(gen)), "paged",
+                   pool_bytes=300 * models.kv_bytes_per_token(cfg, "float32"),
+                   max_model_len=48, max_batch=4, page_tokens=4, max_batched_tokens=chunk,
+                   attention="triton", fused_layers=fused,
+                   config=AllocatorConfig(background_refresh=False))
+    assert run["tokens"] == reference(model, prompts, gen)
+    want = {"decode"} | ({"prefill"} if chunk else set()) | (
+        {"add_rms_norm", "rope_store", "silu_mul"} if fused == "on" else {"store"})
+    assert want <= set(sm90_launches.launched), sm90_launches.launched
+
+
+def test_a_split_decode_and_bfloat16_launch_as_a_gpu_would(sm90_launches):
+    """The decode split over the context (its combine kernel), and every kernel in bfloat16,
+    the GPU runs' type: compiled through the launch path (bfloat16's results are not checked
+    here: the interpreter of triton 3.6 multiplies bfloat16 tiles as integers)."""
+    from allocator.config import AllocatorConfig
+    from allocator.serving import models
+    from allocator.serving.engine import run_attention as ra
+    from allocator.serving.engine import serve as te
+
+    per_token = 2 * 2 * 2 * 64          # 2 layers x K and V x 2 kv heads x 64
+    pool = torch.randn(per_token * (64 + 32))
+    runs = ra.RunTable.from_requests([[(0, 64, 40)], [(per_token * 64, 32, 30)]])
+    q = torch.randn(2, 4, 64)           # 4 query heads over the 2 kv heads
+    got = ra.decode_attention(q, pool, runs, 1, 2, 64, 0.125, backend="triton", num_splits=3)
+    want = ra.decode_attention_torch(q, pool, runs, 1, 2, 64, 0.125)
+    assert torch.allclose(got, want, atol=1e-5), float((got - want).abs().max())
+    assert sm90_launches.launched["combine"] == 1
+
+    sm90_launches.run = False
+    sm90_launches.launched.clear()
+    cfg, _ = models.load_config("tiny-qwen2")
+    model = te.build_model(cfg, "bfloat16", "cpu", seed=0)
+    prompts = te.prompt_ids(3, [9, 20, 5], cfg.vocab_size, 4)
+    for fused in ("on", "off"):
+        te.serve(model, prompts, [3, 2, 4], np.zeros(3), "odma",
+                 pool_bytes=300 * models.kv_bytes_per_token(cfg, "bfloat16"),
+                 max_model_len=48, max_batch=4, max_batched_tokens=8, attention="triton",
+                 fused_layers=fused, config=AllocatorConfig(background_refresh=False))
+    assert set(sm90_launches.launched) == {"decode", "prefill", "store", "add_rms_norm",
+                                           "rope_store", "silu_mul"}, sm90_launches.launched
