@@ -722,6 +722,19 @@ def test_shapes_timed_in_turns_share_a_burst_of_load_instead_of_one_taking_it_al
     assert sorted(sum(t) for t in times) == [11.0, 11.0, 11.0]
 
 
+def test_a_settling_call_runs_untimed_at_the_end_of_every_round(monkeypatch):
+    clock, order = [0.0], []
+    monkeypatch.setattr(measure.time, "perf_counter", lambda: clock[0])
+
+    def call(name, cost):
+        return lambda: (order.append(name), clock.__setitem__(0, clock[0] + cost))
+
+    times = measure.time_in_turns(lambda: None, [call("a", 1.0), call("b", 2.0)], 1, 3,
+                                  settle=[call("settle", 100.0)])
+    assert order == ["a", "b"] + ["a", "b", "settle"] * 3
+    assert times == [[1.0] * 3, [2.0] * 3]
+
+
 def test_the_matmul_table_times_every_shape_at_every_row_count_in_turns(monkeypatch):
     import torch
 
@@ -894,6 +907,6 @@ def test_the_anchors_take_their_turns_among_the_engines_steps():
         got = engine_steps.measure_steps(torch, dev, "float32", config, effort, 0, anchor)
     # one warm-up each, then a round: the decode step, the anchor, the decode step again (the
     # caches warmed for the next round's first step; the prefill unrecorded)
-    assert order == ["step", "anchor", "step"] + ["step", "anchor", "step"] * 3
+    assert order == ["step", "anchor"] + ["step", "anchor", "step"] * 3
     assert list(got["anchors"]) == [(4, 4)] and got["anchors"][(4, 4)][1] >= 0
     assert len(got["decode"]) == 1 and len(got["prefill"]) == 1

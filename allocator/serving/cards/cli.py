@@ -61,7 +61,8 @@ from allocator.serving.cards.measure import (BUSY_OTHER_SHARE, FULL, MEMORY_MODE
                                              TORCH_SOURCE, Effort, OtherLoad, disturbed,
                                              engine_dtype, linear_calls, matmul_bytes,
                                              matmul_tflops, measure_memory, memory_plan,
-                                             need_torch, open_torch_device, steps_speed)
+                                             need_torch, open_torch_device, set_tflops,
+                                             steps_speed)
 from allocator.serving.cards.write import (byte_text, card_contents, card_json, card_paths,
                                            card_text, check_card, probe_document)
 
@@ -152,7 +153,7 @@ def _effort(args, p: dict, show) -> Effort:
     anchors = matmul_bytes(p["products"], anchor_rows(args, effort), DTYPES[p["dtype"]])
     depths = engine_steps.step_depths(effort, p["spec"], p["config"], p["dtype"],
                                       None if free is None else free * 3 // 4 - anchors)
-    own = max(p["layers"], engine_steps.DEEP_ENOUGH)
+    own = engine_steps.own_depth(p["spec"])
     if None in effort.fit_layers and max(depths) < own:
         show(f"calibrate {p['device']['spec']}: the engine's steps at {max(depths)} layers, "
              f"not {own}: {own} layers' weights and pool would not fit in "
@@ -209,7 +210,7 @@ def _measure(args, p: dict, effort, torch, show) -> dict:
     speed = steps_speed(each[dtype], steps["anchors"])
     each = {d: {shape: {r: v * speed for r, v in t.items()} for shape, t in e.items()}
             for d, e in each.items()}
-    mm = {d: {r: v * speed for r, v in t.items()} for d, t in mm.items()}
+    mm = {d: set_tflops(e, p["products"]) for d, e in each.items()}
     peak = mm[dtype][args.prefill_tokens]
     tflops_bf16 = mm["bfloat16"][args.prefill_tokens]
     fitted = fit.fit_steps(p["spec"], dtype, steps, timing, each[dtype], args.prefill_tokens,

@@ -168,15 +168,21 @@ def steps_bytes(spec, config, dtype: str, layers: int, effort: Effort) -> int:
                                                                 dtype)
 
 
+def own_depth(spec) -> int:
+    """The depth that None in Effort.fit_layers asks for: the model's own, at least
+    DEEP_ENOUGH."""
+    return max(spec.layers, DEEP_ENOUGH)
+
+
 def step_depths(effort: Effort, spec, config, dtype: str, free_bytes) -> tuple:
-    """effort.fit_layers with None made the model's own depth (at least DEEP_ENOUGH), or the
-    deepest that `free_bytes` (None: unknown) hold beside the other depths' engines: every
-    depth's engine lives until the steps are timed."""
+    """effort.fit_layers with None made own_depth(spec), or the deepest that `free_bytes`
+    (None: unknown) hold beside the other depths' engines: every depth's engine lives until
+    the steps are timed."""
     if None not in effort.fit_layers:
         return tuple(effort.fit_layers)
     shallow = [d for d in effort.fit_layers if d is not None]
     held = sum(steps_bytes(spec, config, dtype, d, effort) for d in shallow)
-    deep = max(spec.layers, DEEP_ENOUGH)
+    deep = own_depth(spec)
     while (free_bytes is not None and deep > DEEP_ENOUGH
            and held + steps_bytes(spec, config, dtype, deep, effort) > free_bytes):
         deep -= 1
@@ -235,16 +241,14 @@ def measure_steps(torch, dev: dict, dtype: str, config, effort: Effort, seed: in
         # after the anchors, whose weights stream through the caches, the round's first step
         # once more, untimed: the next round's first step then finds the caches as every
         # other step does (a tiny model's first step took a third longer without it)
-        rewarm = [calls[0]] if anchor_calls else []
         with torch.no_grad():
             times = time_in_turns(synchronizer(torch, dev["device"]),
-                                  [*calls, *anchor_calls, *rewarm], effort.fit_warmup,
-                                  effort.fit_reps)
+                                  [*calls, *anchor_calls], effort.fit_warmup, effort.fit_reps,
+                                  settle=calls[:1] if anchor_calls else [])
     finally:
         for alloc in allocs:
             alloc.close()
-    out = {"decode": [], "prefill": [],
-           "anchors": per_linear(anchor_keys, times[len(calls):len(calls) + len(anchor_calls)])}
+    out = {"decode": [], "prefill": [], "anchors": per_linear(anchor_keys, times[len(calls):])}
     for (kind, layers, batch, tokens), t in zip(shapes, map(_quartiles, times)):
         key = "context" if kind == "decode" else "prompt"
         out[kind].append({"layers": layers, "batch": batch, key: tokens, **t})

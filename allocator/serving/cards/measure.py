@@ -426,10 +426,11 @@ def steps_speed(each: dict, anchors: dict) -> float:
     return float(statistics.median(ratios))
 
 
-def time_in_turns(sync, calls: list, warmup: int, reps: int) -> list[list]:
+def time_in_turns(sync, calls: list, warmup: int, reps: int, settle: list = ()) -> list[list]:
     """The seconds of each of `calls`, `reps` times each, timed one call each per round: a burst
     of load from elsewhere on the machine then slows every shape alike instead of all the calls
-    of one, which would bend a fit, a slope or a table."""
+    of one, which would bend a fit, a slope or a table. `settle`: calls run untimed at the end
+    of every round, so that the next round's first call finds the machine as the others do."""
     for call in calls:
         for _ in range(warmup):
             call()
@@ -441,6 +442,8 @@ def time_in_turns(sync, calls: list, warmup: int, reps: int) -> list[list]:
             call()
             sync()
             t.append(time.perf_counter() - t0)
+        for call in settle:
+            call()
     return times
 
 
