@@ -422,7 +422,7 @@ def register(subparsers) -> None:
                     "per-request and per-request-per-layer overheads of the engine's decode "
                     "and prefill steps and its serving loop, fitted on --model cut to "
                     "2 layers and at its own depth. link_gbps and link_latency_us are not "
-                    "measured: the card carries placeholders and says so. About 7 minutes "
+                    "measured: the card carries placeholders and says so. 7 to 10 minutes "
                     "for qwen2.5-0.5b on a quiet 2-core CPU, most of it its steps at 24 "
                     "layers and the LM head's products (--quick --model tiny-llama: 15 s); "
                     "other processes running meanwhile make every figure wrong, and a warning "
