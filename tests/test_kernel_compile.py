@@ -159,9 +159,11 @@ def sm90_launches(monkeypatch):
     return state
 
 
-@pytest.mark.parametrize("fused,chunk", [("on", 16), ("on", None), ("off", 16)],
-                         ids=["fused-chunked", "fused", "modules-chunked"])
-def test_the_engine_launches_its_kernels_as_a_gpu_would(sm90_launches, fused, chunk):
+@pytest.mark.parametrize("fused,chunk,prompt_attention", [
+    ("on", 16, "dense"), ("on", None, "dense"), ("off", 16, "dense"), ("on", None, "runs")],
+    ids=["fused-chunked", "fused", "modules-chunked", "fused-prompts-over-runs"])
+def test_the_engine_launches_its_kernels_as_a_gpu_would(sm90_launches, fused, chunk,
+                                                        prompt_attention):
     """A float32 run of the engine (the GPU check's tiny run) whose every Triton launch goes
     through triton's launch path for sm_90 first: every call site's arguments bind and compile,
     and the tokens are generate()'s (an H200 failed every launch that the ahead-of-time compile
@@ -179,10 +181,10 @@ def test_the_engine_launches_its_kernels_as_a_gpu_would(sm90_launches, fused, ch
     run = te.serve(model, prompts, gen, np.zeros(len(gen)), "paged",
                    pool_bytes=300 * models.kv_bytes_per_token(cfg, "float32"),
                    max_model_len=48, max_batch=4, page_tokens=4, max_batched_tokens=chunk,
-                   attention="triton", fused_layers=fused,
+                   attention="triton", fused_layers=fused, prompt_attention=prompt_attention,
                    config=AllocatorConfig(background_refresh=False))
     assert run["tokens"] == reference(model, prompts, gen)
-    want = {"decode"} | ({"prefill"} if chunk else set()) | (
+    want = {"decode"} | ({"prefill"} if chunk or prompt_attention == "runs" else set()) | (
         {"add_rms_norm", "rope_store", "silu_mul"} if fused == "on" else {"store"})
     assert want <= set(sm90_launches.launched), sm90_launches.launched
 
