@@ -3,14 +3,15 @@ compiler and ptxas build each kernel ahead of time, as the first launch on a GPU
 interpreter runs their arithmetic in the other tests; this proves the compiled mode accepts them
 (a kernel the interpreter runs may still fail to compile), that the engine's own launches
 bind their arguments and compile through triton's launch path as on a GPU, that the layer
-kernels' bfloat16
-conversions round to nearest even there (the interpreter of triton 3.6 truncates), and that
-the values a step changes (the decode split count, the layer) stay run-time arguments: one
-compilation serves every batch size, so none lands inside a timed run."""
+kernels' bfloat16 conversions round to nearest even there (the interpreter of triton 3.6
+truncates), and that the values a step changes (the decode split count, the layer) stay
+run-time arguments: one compilation serves every batch size, so none lands inside a timed
+run."""
 
 import collections
 import inspect
 import re
+import types
 
 import numpy as np
 import pytest
@@ -132,7 +133,7 @@ def sm90_launches(monkeypatch):
     from triton.runtime import driver
     from triton.runtime.jit import JITFunction
 
-    state = type("Launches", (), {"launched": collections.Counter(), "run": True})()
+    state = types.SimpleNamespace(launched=collections.Counter(), run=True)
     names = {id(k): name for name, k in run_kernels.kernels(False).items()}
     interpreted = run_kernels.kernels(True)
     compile_then_interpret = JITFunction.run
