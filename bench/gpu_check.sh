@@ -123,7 +123,7 @@ for C in $(printf '%s\n' "$CARD" "$PRESET" | sort -u); do
   step sim256_$n 30 $S --card $C --trace "$R/t256.csv" --max-batch $BIGMB \
     --kv-pool-gb $(gb $BIGPOOL) --max-model-len $BIGLEN --policy $FIVE --json
 done
-E="$EM --fused-layers $FUSED --card $CARD"
+E="$EM --fused-layers $FUSED --card $CARD"   # the runs below with the card calibrated here
 # 6. the model's own check (bf16), every policy
 step check_model 100 $E --trace "$R/check_model.csv" --kv-pool-gb 0.064 --policy $ALL --check \
   --json
@@ -132,7 +132,8 @@ step check_model 100 $E --trace "$R/check_model.csv" --kv-pool-gb 0.064 --policy
 # calibrate's card) and a decode step from its graph, fused and not; chunked prefill; the full
 # run's first two policies the other way round (whatever the first policy measured pays that
 # the warm-up did not: it trailed static by 1.5-1.9x on the first H100 runs)
-HFG="$EM --cuda-graphs on --card $CARD"
+# (its own flags: the fallback's torch attention above would refuse --cuda-graphs on)
+HFG="$OH engine --device $DEV --cuda-graphs on --model $MODEL --dtype $DT --card $CARD"
 if [ "${HF_GRAPHS:-1}" = 1 ]; then
   step speed32_hf_graphs 40 $HFG --trace "$R/t32.csv" --max-batch $MB --kv-pool-gb $(gb $POOL) \
     --policy hf --json
