@@ -15,6 +15,7 @@ import statistics
 import numpy as np
 import pytest
 
+from odma_cli.errors import DeviceError
 from odma_cli.main import main
 
 try:
@@ -910,3 +911,29 @@ def test_the_anchors_take_their_turns_among_the_engines_steps():
     assert order == ["step", "anchor"] + ["step", "anchor", "step"] * 3
     assert list(got["anchors"]) == [(4, 4)] and got["anchors"][(4, 4)][1] >= 0
     assert len(got["decode"]) == 1 and len(got["prefill"]) == 1
+
+
+@pytest.mark.parametrize("failure", [TypeError("failed to specialize argument of type: str"),
+                                     DeviceError("the device went away")],
+                         ids=["a library's error", "odma-hw's own"])
+def test_a_failure_after_the_memory_keeps_its_figures_and_changes_no_card(tmp_path, monkeypatch,
+                                                                          failure):
+    """On an H200 the engine's kernels failed after the native probe had measured the memory:
+    calibrate printed a traceback and kept nothing. Now the error is one line (exit 3), the
+    memory's figures are in a probe file of their own, and the card there before, with its
+    probe file, is as it was."""
+    from allocator.serving.sim.timing import probe_timing
+
+    def fails(*args, **kwargs):
+        raise failure
+    monkeypatch.setattr(engine_steps, "measure_engine_reads", fails)
+    card, probe = tmp_path / "c.toml", tmp_path / "c.probe.json"
+    card.write_text("an earlier card\n")
+    probe.write_text("its probe file\n")
+    rc, out, err = run(["calibrate", "--quick", "--model", "tiny-llama", "--out", str(card)])
+    assert rc == 3 and out == "" and "Traceback" not in err
+    kept = tmp_path / "c.partial.probe.json"
+    last = err.strip().splitlines()[-1]
+    assert str(kept) in err and str(failure) in last and last.startswith("odma-hw: ")
+    assert probe_timing(str(kept)).seq_gbps > 0
+    assert card.read_text() == "an earlier card\n" and probe.read_text() == "its probe file\n"

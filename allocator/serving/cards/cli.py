@@ -54,7 +54,7 @@ import os
 import sys
 import time
 
-from odma_cli.errors import BadArgument
+from odma_cli.errors import BadArgument, DeviceError, OdmaError, one_line
 
 from allocator.serving.cards import engine_steps, fit
 from allocator.serving.cards.measure import (BUSY_OTHER_SHARE, FULL, MEMORY_MODES, QUICK,
@@ -163,10 +163,9 @@ def _effort(args, p: dict, show) -> Effort:
 
 def _measure(args, p: dict, effort, torch, show) -> dict:
     """The five phases (module docstring), each with its progress line, and the overheads
-    fitted on them: what the card and the result are made of."""
-    from allocator.serving.sim.timing import MeasuredTiming
-
-    dev, dtype = p["device"], p["dtype"]
+    fitted on them: what the card and the result are made of. Where a phase after the
+    memory's fails, the memory's figures are kept (_keep_memory) and the error is one line."""
+    dev = p["device"]
     native = memory_plan(dev["spec"], p["memory"])
     show(f"calibrate {dev['spec']}: bandwidth of random runs of "
          f"{byte_text(effort.run_sizes[0])} .. {byte_text(effort.run_sizes[-1])}, sequential "
@@ -175,6 +174,36 @@ def _measure(args, p: dict, effort, torch, show) -> dict:
     load = OtherLoad()
     bw = measure_memory(dev, p["memory"], effort, args.seed, show)
     other["bandwidth"] = load.share()
+    try:
+        return _measure_engine(args, p, effort, torch, show, bw, other)
+    except Exception as exc:
+        # the memory's figures, minutes of a device's time (on an H200 the engine's kernels
+        # then failed, and calibrate printed a traceback and kept nothing), outlive the failure
+        kept = _keep_memory(p, effort, bw)
+        if isinstance(exc, OdmaError):
+            show(f"calibrate {dev['spec']}: {kept}")
+            raise
+        raise DeviceError(f"calibrate failed after measuring the memory ({type(exc).__name__}: "
+                          f"{one_line(exc)}): {kept}") from exc
+
+
+def _keep_memory(p: dict, effort, bw: dict) -> str:
+    """Write the memory's figures to a probe file of their own (no card names it, so the card
+    and its probe file stay as they were); what was kept where, for the error line."""
+    from allocator.trace import write_file
+    from odma_cli import jsonout
+
+    path = p["probe"].removesuffix(".probe.json") + ".partial.probe.json"
+    text = jsonout.dumps(probe_document(p["device"], bw, effort.run_sizes), indent=1) + "\n"
+    write_file(path, lambda f: f.write(text), "probe file", replace_links=True)
+    return f"the memory's figures are kept in {path}; no card written"
+
+
+def _measure_engine(args, p: dict, effort, torch, show, bw: dict, other: dict) -> dict:
+    """The phases after the memory's (matmul, the engine's reads, steps and loop) and the fit."""
+    from allocator.serving.sim.timing import MeasuredTiming
+
+    dev, dtype = p["device"], p["dtype"]
     timing = MeasuredTiming(f"probe:{dev['spec']}", bw["runs_gbps"], bw["seq_gbps"],
                             bw["copy_gbps"])
     mm, each, other["matmul"] = _measure_matmul(args, p, effort, torch, show)
