@@ -37,3 +37,12 @@ class RunFailed(OdmaError):
 class OutputError(OdmaError):
     """Results could not be written (a full disk, a read-only folder, a failed plot); what was
     finished is kept or already printed."""
+
+
+def error_line(exc: BaseException) -> str:
+    """One line for a failure: the message of odma-hw's own errors, of a fault or a stall
+    (RuntimeError) and of memory running out; any other error named by its type (a library's
+    TypeError or compiler error says little without it)."""
+    if isinstance(exc, (OdmaError, RuntimeError, MemoryError)):
+        return one_line(exc)
+    return f"{type(exc).__name__}: {one_line(exc)}"

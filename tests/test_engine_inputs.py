@@ -177,14 +177,20 @@ def test_a_pool_that_whole_pages_cannot_fill_is_refused_before_any_weight(tmp_pa
     assert not no_build
 
 
-def test_a_policy_failing_at_run_time_keeps_the_others_results(trace, capsys, monkeypatch):
+def fail_policy(monkeypatch, failing_policy: str, error: Exception) -> None:
+    """serve() raises `error` for `failing_policy` and serves every other policy."""
     real = te.serve
 
     def failing(model, prompts, gen, arrivals, policy, **kw):
-        if policy == "paged":
-            raise RuntimeError("engine stalled: requests wait and nothing runs")
+        if policy == failing_policy:
+            raise error
         return real(model, prompts, gen, arrivals, policy, **kw)
     monkeypatch.setattr(te, "serve", failing)
+
+
+def test_a_policy_failing_at_run_time_keeps_the_others_results(trace, capsys, monkeypatch):
+    fail_policy(monkeypatch, "paged",
+                RuntimeError("engine stalled: requests wait and nothing runs"))
     assert exit_code(["engine", "--trace", trace, "--model", "tiny-llama", "--policy",
                       "odma,paged,static", "--json"]) == 3
     out, err = capsys.readouterr()
@@ -500,3 +506,22 @@ def test_models_too_large_for_memory_are_refused_in_well_under_2_gb(tmp_path):
     assert codes == [2, 2, 2, 2], proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 4 and "Traceback" not in proc.stderr
     assert peak_kib * 1024 < 2 << 30
+
+
+def test_a_library_error_is_one_line_in_a_run_and_in_the_warm_up(trace, capsys, monkeypatch):
+    """On an H200 Triton's compiler failed in the engine's warm-up: a traceback. A library's
+    error is now one line, named by its type: a policy's run fails alone (exit 3, the others
+    printed), the warm-up's failure stops the command before any policy (exit 3)."""
+    fail_policy(monkeypatch, "paged", TypeError("failed to specialize argument of type: str"))
+    assert exit_code(["engine", "--trace", trace, "--model", "tiny-llama", "--policy",
+                      "odma,paged", "--json"]) == 3
+    out, err = capsys.readouterr()
+    doc = json.loads(out)
+    assert [r["policy"] for r in doc["results"]] == ["odma"]
+    assert doc["failed"] == [{"policy": "paged",
+                              "error": "TypeError: failed to specialize argument of type: str"}]
+    assert exit_code(["engine", "--trace", trace, "--model", "tiny-llama", "--policy",
+                      "paged,odma", "--json"]) == 3
+    out, err = capsys.readouterr()
+    assert out == "" and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert "warm-up through paged failed" in err and "TypeError: failed to specialize" in err

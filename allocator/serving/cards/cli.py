@@ -54,7 +54,7 @@ import os
 import sys
 import time
 
-from odma_cli.errors import BadArgument, DeviceError, OdmaError, one_line
+from odma_cli.errors import BadArgument, DeviceError, OdmaError, error_line
 
 from allocator.serving.cards import engine_steps, fit
 from allocator.serving.cards.measure import (BUSY_OTHER_SHARE, FULL, MEMORY_MODES, QUICK,
@@ -183,8 +183,8 @@ def _measure(args, p: dict, effort, torch, show) -> dict:
         if isinstance(exc, OdmaError):
             show(f"calibrate {dev['spec']}: {kept}")
             raise
-        raise DeviceError(f"calibrate failed after measuring the memory ({type(exc).__name__}: "
-                          f"{one_line(exc)}): {kept}") from exc
+        raise DeviceError(f"calibrate failed after measuring the memory ({error_line(exc)}): "
+                          f"{kept}") from exc
 
 
 def _keep_memory(p: dict, effort, bw: dict) -> str:

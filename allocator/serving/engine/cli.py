@@ -11,7 +11,8 @@ import sys
 
 import numpy as np
 
-from odma_cli.errors import BadArgument, DeviceUnavailable, OdmaError, RunFailed, one_line
+from odma_cli.errors import (BadArgument, DeviceError, DeviceUnavailable, OdmaError, RunFailed,
+                             error_line)
 
 from allocator.serving.cards.measure import BUSY_OTHER_SHARE, OtherLoad
 from allocator.serving.core.metrics import ENGINE_METRICS
@@ -210,14 +211,20 @@ def compute(args, results: list | None = None, failed: list | None = None) -> di
         # do not land on the first policy measured; each request within the max model length
         # of a pool prepare() checked
         warm = warmup_prompts(prompts, args.max_batch)
-        serve(model, warm, [max(1, min(1 + j % 4, p["max_model_len"] - q.numel()))
-                            for j, q in enumerate(warm)],
-              [0.0] * len(warm), pooled[0], pool_bytes=p["pool"],
-              max_model_len=p["max_model_len"], max_batch=args.max_batch,
-              page_tokens=args.page_tokens, config=p["alloc_config"], attention=p["attention"],
-              cuda_graphs=args.cuda_graphs, fused_layers=args.fused_layers,
-              prompt_attention=args.prompt_attention,
-              max_batched_tokens=args.max_num_batched_tokens)
+        try:
+            serve(model, warm, [max(1, min(1 + j % 4, p["max_model_len"] - q.numel()))
+                                for j, q in enumerate(warm)],
+                  [0.0] * len(warm), pooled[0], pool_bytes=p["pool"],
+                  max_model_len=p["max_model_len"], max_batch=args.max_batch,
+                  page_tokens=args.page_tokens, config=p["alloc_config"],
+                  attention=p["attention"], cuda_graphs=args.cuda_graphs,
+                  fused_layers=args.fused_layers, prompt_attention=args.prompt_attention,
+                  max_batched_tokens=args.max_num_batched_tokens)
+        except OdmaError:
+            raise
+        except Exception as exc:      # a library's (on an H200: Triton's compiler): one line
+            raise DeviceError(f"the warm-up through {pooled[0]} failed, before any policy ran "
+                              f"({error_line(exc)})") from exc
     for policy in p["policies"]:
         show = progress(policy) if not args.json or os.isatty(2) else None
         load = OtherLoad()
@@ -240,10 +247,10 @@ def compute(args, results: list | None = None, failed: list | None = None) -> di
                             cuda_graphs=args.cuda_graphs, fused_layers=args.fused_layers,
                             prompt_attention=args.prompt_attention,
                             keep_logits=args.check, config=p["alloc_config"])
-        except (OdmaError, RuntimeError, MemoryError) as exc:
+        except Exception as exc:      # a library's too (Triton's compiler, a CUDA fault)
             if failed is None:
                 raise
-            failed.append({"policy": policy, "error": one_line(exc)})
+            failed.append({"policy": policy, "error": error_line(exc)})
             continue
         r = summarise(policy, run, settings, p["slo"])
         r["attention"] = run.get("attention")       # hf: None (transformers' own)
