@@ -146,9 +146,9 @@ def calibrate(args, progress=None) -> dict:
 def _effort(args, p: dict, show) -> Effort:
     """QUICK or FULL, the engine's steps timed at the depths that the memory free holds (a
     quarter kept for activations and graphs)."""
-    effort = QUICK if args.quick else FULL
     from allocator.serving.models import DTYPES
 
+    effort = QUICK if args.quick else FULL
     free = p["device"]["free_bytes"]
     anchors = matmul_bytes(p["products"], anchor_rows(args, effort), DTYPES[p["dtype"]])
     depths = engine_steps.step_depths(effort, p["spec"], p["config"], p["dtype"],
@@ -206,7 +206,7 @@ def _measure_engine(args, p: dict, effort, torch, show, bw: dict, other: dict) -
     dev, dtype = p["device"], p["dtype"]
     timing = MeasuredTiming(f"probe:{dev['spec']}", bw["runs_gbps"], bw["seq_gbps"],
                             bw["copy_gbps"])
-    mm, each, other["matmul"] = _measure_matmul(args, p, effort, torch, show)
+    each, other["matmul"] = _measure_matmul(args, p, effort, torch, show)
 
     batch, contexts = engine_steps.read_shape(effort, dev["device"])
     show(f"calibrate {dev['spec']}: the engine's attention reading {args.model}'s KV in runs of "
@@ -268,10 +268,11 @@ def anchor_rows(args, effort) -> tuple:
     return tuple(sorted({effort.decode_rows[0], effort.decode_rows[-1], args.prefill_tokens}))
 
 
-def _measure_matmul(args, p: dict, effort, torch, show) -> tuple[dict, dict, float | None]:
+def _measure_matmul(args, p: dict, effort, torch, show) -> tuple[dict, float | None]:
     """Phase 2: matmul throughput at the engine's dtype (and bfloat16, which every card
-    needs) by rows, over --model's products: ({dtype: {rows: TFLOPS}}, the same by product,
-    the share of the CPUs other processes took meanwhile)."""
+    needs) by rows, over --model's products: ({dtype: {(k, n): {rows: TFLOPS}}}, the share of
+    the CPUs other processes took meanwhile). The tables of a set of products (set_tflops)
+    are made once the products' speed among the engine's steps has scaled these."""
     dev, dtype = p["device"], p["dtype"]
     products = p["products"]
     rows = (args.prefill_tokens,) + tuple(effort.decode_rows)
@@ -279,16 +280,14 @@ def _measure_matmul(args, p: dict, effort, torch, show) -> tuple[dict, dict, flo
          f"{args.model}'s layers and LM head, at {args.prefill_tokens} rows (prefill) and "
          f"{', '.join(map(str, effort.decode_rows))} (decode)")
     load = OtherLoad()
-    mm, each = {}, {}
-    mm[dtype], each[dtype] = matmul_tflops(torch, dev["device"], getattr(torch, dtype), rows,
-                                           products, effort, args.seed)
+    each = {dtype: matmul_tflops(torch, dev["device"], getattr(torch, dtype), rows, products,
+                                 effort, args.seed)[1]}
     if dtype != "bfloat16":
         # a card needs its bf16 peak whatever the engine runs
         show(f"calibrate {dev['spec']}: matmul bfloat16 at {args.prefill_tokens} rows")
-        mm["bfloat16"], each["bfloat16"] = matmul_tflops(
-            torch, dev["device"], torch.bfloat16, (args.prefill_tokens,), products, effort,
-            args.seed)
-    return mm, each, load.share()
+        each["bfloat16"] = matmul_tflops(torch, dev["device"], torch.bfloat16,
+                                         (args.prefill_tokens,), products, effort, args.seed)[1]
+    return each, load.share()
 
 
 def _disturbances(dev: dict, points: list, other: dict, show) -> tuple[list, dict]:

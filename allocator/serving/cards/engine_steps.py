@@ -147,11 +147,16 @@ DEEP_ENOUGH = 6      # the deeper fit depth at least: the fit tells a step's own
                      # layers' by the difference between two depths
 
 
+def step_contexts(config, effort: Effort) -> list:
+    """The decode steps' contexts: effort.fit_contexts within the model's positions."""
+    return [c for c in effort.fit_contexts if c < config.max_position_embeddings]
+
+
 def pool_shape(config, effort: Effort) -> tuple[int, int]:
     """(blocks, tokens a block) of the static pool measure_steps serves its steps from: a block
     for each request of the largest batch at each context, and for each prompt of the largest
     prefill."""
-    contexts = [c for c in effort.fit_contexts if c < config.max_position_embeddings]
+    contexts = step_contexts(config, effort)
     max_len = max(max(contexts), max(p for _, p in effort.prefill_shapes)) + 1
     return max(effort.fit_batches) * len(contexts) + max(b for b, _ in effort.prefill_shapes), \
         max_len
@@ -204,7 +209,7 @@ def measure_steps(torch, dev: dict, dtype: str, config, effort: Effort, seed: in
     the anchors}, each point its shape and times."""
     from allocator.serving.models import head_dim
 
-    contexts = [c for c in effort.fit_contexts if c < config.max_position_embeddings]
+    contexts = step_contexts(config, effort)
     most = max(effort.fit_batches)
     blocks, max_len = pool_shape(config, effort)
     rng = np.random.default_rng(seed)
