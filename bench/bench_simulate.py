@@ -60,7 +60,7 @@ def test_long_context_point(benchmark, policy, chunked):
     def run():
         return simulate(trace, (policy,), model="llama-3.1-8b", device="h100-sxm",
                         max_model_len=int((trace.prompt + trace.generated).max()),
-                        memory_utilization=0.9, concurrency=8, engine_profile="vllm-0.19",
+                        memory_utilization=0.9, concurrency=8, engine_profile="vllm-v1-h100",
                         max_batch=1024, paged_layout="nhd", **sched)[0]
 
     run()                                   # warm-up: emulator efficiencies into the cache

@@ -7,9 +7,9 @@ Each point is a dense 7-8B model on one GPU (TP1) at fixed input and output leng
 concurrency or batch, as its source states it; the cards are the presets in
 allocator/serving/cards/ (datasheet figures, MFU 0.5; h100-sxm's run rates from the native
 probe of an H100), each with the engine profile of the vLLM version measured
-(allocator/serving/profiles: the engine's overheads and weight read efficiency, fitted by
-bench/fit_profiles.py on other published points of that version, never on these; vllm-0.19 is
-not fitted and keeps the overhead defaults every card shares): nothing here is fitted to these
+(allocator/serving/engine_profiles: the engine's overheads and weight read efficiency, fitted
+by bench/fit_profiles.py on other published points of that version, never on these; for V1, a
+profile per GPU family, vllm-v1-a100 and vllm-v1-h100): nothing here is fitted to these
 points. The scheduler follows the vLLM version measured: V0
 (up to 0.6) prefills whole prompts first; V1 (0.8 on) runs chunked prefill with its default
 token budget (8,192 for the OpenAI server on >= 70 GB cards other than A100, 2,048 on A100;
@@ -37,8 +37,9 @@ V1_SERVER_H = dict(max_batched_tokens=8192, max_batch=1024, paged_layout="nhd")
 V1_SERVER_A100 = dict(max_batched_tokens=2048, max_batch=256, paged_layout="nhd")
 V1_OFFLINE_H = dict(max_batched_tokens=16384, max_batch=1024, paged_layout="nhd")
 V0 = dict(paged_layout="v06")
-# the engine profile of each source's vLLM version (the blog's is a recent V1, as 0.19)
-PROFILE = {BLOG: "vllm-0.19", QWEN25: "vllm-0.6", QWEN2: "vllm-0.4", A100PCIE: "vllm-0.19",
+# the engine profile of each source's vLLM version and GPU (the blog's is a recent V1 on an H100;
+# vllm-v1-h100 is fitted on 0.11, vllm-v1-a100 on 0.17 and 0.20.1, around the sweep's 0.19.0)
+PROFILE = {BLOG: "vllm-v1-h100", QWEN25: "vllm-0.6", QWEN2: "vllm-0.4", A100PCIE: "vllm-v1-a100",
            BUILDKITE: "vllm-ci-9500"}
 
 

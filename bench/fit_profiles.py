@@ -28,28 +28,35 @@ from allocator.serving.cards.profiles import engine_profile, load_profile, model
 from allocator.serving.sim.simulation import simulate
 from allocator.trace import RequestTrace
 
+# vLLM's schedulers by version and entry point: V0 prefills whole prompts first; V1 chunks them
+# at its default token budget, 16,384 for the offline LLM class and, for the OpenAI server,
+# 8,192 on >= 70 GB cards other than the A100 and 2,048 elsewhere
 SCHEDULERS = {"v0": dict(paged_layout="v06"),
-              "v1-offline": dict(max_batched_tokens=16384, max_batch=1024, paged_layout="nhd")}
+              "v1-offline": dict(max_batched_tokens=16384, max_batch=1024, paged_layout="nhd"),
+              "v1-server-2048": dict(max_batched_tokens=2048, max_batch=256, paged_layout="nhd"),
+              "v1-server-8192": dict(max_batched_tokens=8192, max_batch=1024, paged_layout="nhd")}
 STEP_US = 100.0             # the move of an overhead term that gives its column
 STEP_X = 0.25               # the move of 1 / efficiency - 1
 
 
 def seconds(point: dict, profile) -> float:
     """The simulated time the point's metric measures: a request's whole time (speed = output
-    tokens / it) or the batch's (batch latency)."""
+    tokens / it), the batch's (batch latency) or the median time per output token."""
     n = point["batch"]
     trace = RequestTrace(np.full(n, point["input"]), np.full(n, point["output"]), None,
                          name=point["id"])
     r = simulate(trace, ["paged"], model=model_path(point["model"]), device=point["card"],
                  max_model_len=point["input"] + point["output"], memory_utilization=0.9,
-                 engine_profile=profile, **SCHEDULERS[point["scheduler"]])[0]
-    return r["e2e_s"]["p50"] if point["metric"] == "speed_tps" else r["duration_s"]
+                 concurrency=point.get("concurrency"), engine_profile=profile,
+                 **SCHEDULERS[point["scheduler"]])[0]
+    return {"speed_tps": r["e2e_s"]["p50"], "batch_latency_ms": r["duration_s"],
+            "tpot_p50_ms": r["tpot_s"]["p50"]}[point["metric"]]
 
 
 def published_seconds(point: dict) -> float:
     if point["metric"] == "speed_tps":
         return point["output"] / point["published"]
-    return point["published"] / 1e3
+    return point["published"] / 1e3                 # batch_latency_ms, tpot_p50_ms
 
 
 def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -118,8 +125,8 @@ def main(argv=None) -> int:
               + ", ".join(f"{t} = {v}" for t, v in values.items()))
         for p, pub, sim in rows:
             print(f"  {p['id']:<28} {p['model']:<14} {p['card']:<16} in {p['input']:>6} out "
-                  f"{p['output']:>5} x{p['batch']:<3} published {pub:8.3f} s  simulated "
-                  f"{sim:8.3f} s  {sim / pub - 1:+.1%}")
+                  f"{p['output']:>5} x{p['batch']:<4} published {pub:9.4g} s  simulated "
+                  f"{sim:9.4g} s  {sim / pub - 1:+.1%}")
         shipped = {t: getattr(profile, t) for t in values}
         if shipped != values:
             differ.append(f"{profile.path}: ships {shipped}, the fit gives {values}")

@@ -25,6 +25,22 @@ request_overhead_us = 50.0
 layer_request_overhead_us = 0.0
 weight_read_efficiency = 0.9
 """
+# a closed-loop serving point: 32 requests, 8 in flight, the median time per output token
+POINT = """
+[[fit_points]]
+id = "served"
+source = "a test"
+measured = "median TPOT"
+card = "a100-80gb"
+model = "qwen2.5-0.5b"
+input = 64
+output = 32
+batch = 32
+concurrency = 8
+metric = "tpot_p50_ms"
+published = 5.0
+scheduler = "v1-server-2048"
+"""
 
 
 @pytest.fixture(autouse=True)
@@ -45,7 +61,8 @@ def write(tmp_path, text, name="p.toml"):
     return str(path)
 
 
-@pytest.mark.parametrize("name", ["vllm-0.4", "vllm-0.6", "vllm-0.19", "vllm-ci-9500"])
+@pytest.mark.parametrize("name", ["vllm-0.4", "vllm-0.6", "vllm-ci-9500", "vllm-v1-a100",
+                                  "vllm-v1-h100"])
 def test_the_presets_load_and_every_fitted_term_says_what_it_was_fitted_from(name):
     assert name in profile_names()
     p = engine_profile(name)
@@ -57,7 +74,7 @@ def test_the_presets_load_and_every_fitted_term_says_what_it_was_fitted_from(nam
             assert point["source"] and point["measured"]
             accelerator(point["card"])                      # a preset card
             assert pathlib.Path(model_path(point["model"])).is_file() or point["model"] in (
-                "llama-3.1-8b", "qwen2.5-0.5b")
+                "llama-3.1-8b", "qwen2.5-0.5b", "qwen2.5-7b")
 
 
 def test_no_fit_point_is_a_point_of_the_published_test_set():
@@ -95,6 +112,11 @@ BAD = [
     (GOOD.replace('version = "9.9"\n', ""), "'version'"),                     # missing key
     (GOOD + 'fitted = ["step_overhead_us"]\n', "'fitted'"),                   # no points
     (GOOD + '[[fit_points]]\nid = "x"\n', "'source'"),                        # a point's key
+    (GOOD + 'fitted = ["layer_overhead_us"]\n' + POINT.replace("concurrency = 8",
+                                                               "concurrency = 2.5"),
+     "'concurrency'"),
+    (GOOD + 'fitted = ["layer_overhead_us"]\n' + POINT.replace('"tpot_p50_ms"', '"tpot_p90_ms"'),
+     "'metric'"),
     ("name = \n", "not valid TOML"),
 ]
 
@@ -156,6 +178,28 @@ def test_the_fit_script_reproduces_the_shipped_terms(capsys):
     # every fitted point within 10 % of its published figure
     errors = [float(e) for e in re.findall(r"simulated .* ([+-]\d+\.\d)%", out)]
     assert errors and max(map(abs, errors)) <= 10.0
+
+
+def test_a_served_point_is_simulated_as_a_closed_loop_and_its_tpot_fitted(tmp_path):
+    """A point of a serving benchmark (`concurrency` requests in flight, TPOT p50) is simulated
+    as it ran: more requests in flight make a longer decode step, and the fitted per-layer term
+    brings the simulated TPOT to the published one."""
+    import sys
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import fit_profiles
+    finally:
+        sys.path.pop(0)
+    profile = load_profile(write(tmp_path, GOOD + 'fitted = ["layer_overhead_us"]\n' + POINT))
+    point = profile.fit_points[0]
+    assert point["concurrency"] == 8 and isinstance(point["concurrency"], int)
+    one = dict(point, concurrency=1)
+    assert fit_profiles.seconds(point, profile) > fit_profiles.seconds(one, profile)
+    assert fit_profiles.published_seconds(point) == pytest.approx(5e-3)
+    values, rows = fit_profiles.fit(profile)
+    assert values["layer_overhead_us"] > 0
+    (_, published, simulated), = rows
+    assert simulated == pytest.approx(published, rel=0.02)
 
 
 def test_profile_files_are_in_the_profile_folder():

@@ -46,7 +46,9 @@ PROFILE_KEYS = {
     "source": (False, "text"),
     "fit_points": (False, "points"),
 }
-# one published measurement a profile was fitted from
+# one published measurement a profile was fitted from: `batch` requests of the same lengths,
+# sent at once, or `concurrency` at a time (a closed loop, as vllm bench serve
+# --max-concurrency)
 POINT_KEYS = {
     "id": (True, "text"),
     "source": (True, "text"),
@@ -56,12 +58,13 @@ POINT_KEYS = {
     "input": (True, Range(1, 1 << 24)),
     "output": (True, Range(1, 1 << 24)),
     "batch": (True, Range(1, 1 << 20)),
+    "concurrency": (False, Range(1, 1 << 20)),
     "metric": (True, "metric"),
     "published": (True, Range(1e-9, 1e12)),
     "scheduler": (True, "scheduler"),
 }
-METRICS = ("speed_tps", "batch_latency_ms")
-SCHEDULERS = ("v0", "v1-offline")
+METRICS = ("speed_tps", "batch_latency_ms", "tpot_p50_ms")
+SCHEDULERS = ("v0", "v1-offline", "v1-server-2048", "v1-server-8192")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,7 +136,9 @@ def load_profile(path) -> EngineProfile:
     checked = []
     for i, p in enumerate(points):
         c = _checked(f"{where}: fit_points[{i}]", p, POINT_KEYS)
-        for k in ("input", "output", "batch"):
+        for k in ("input", "output", "batch", "concurrency"):
+            if k not in c:
+                continue
             if not float(c[k]).is_integer():
                 raise BadArgument(f"{where}: fit_points[{i}]: {k!r} must be an integer, got "
                                   f"{datafile.shown(p[k])}")
