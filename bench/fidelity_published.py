@@ -25,6 +25,7 @@ import numpy as np
 
 from allocator.serving.sim.simulation import simulate
 from allocator.trace import RequestTrace
+from fit_profiles import SCHEDULERS             # vLLM's schedulers, one place for both scripts
 
 BLOG = "blog.vllm.ai/2026/04/22/fp8-kvcache.html"
 QWEN25 = "QwenLM/Qwen2.5 docs/source/benchmark/speed_benchmark.rst (a912d23), 7B vLLM table"
@@ -33,10 +34,10 @@ A100PCIE = ("cssnoeasy/a100-vllm-benchmark-blog docs/reports/a100-tp1-vs-tp2-for
             "(e4226b0), TP=1 rows")
 BUILDKITE = "buildkite.com/vllm/performance-benchmark/builds/9515, latency_llama8B_tp1"
 
-V1_SERVER_H = dict(max_batched_tokens=8192, max_batch=1024, paged_layout="nhd")
-V1_SERVER_A100 = dict(max_batched_tokens=2048, max_batch=256, paged_layout="nhd")
-V1_OFFLINE_H = dict(max_batched_tokens=16384, max_batch=1024, paged_layout="nhd")
-V0 = dict(paged_layout="v06")
+V1_SERVER_H = SCHEDULERS["v1-server-8192"]
+V1_SERVER_A100 = SCHEDULERS["v1-server-2048"]
+V1_OFFLINE_H = SCHEDULERS["v1-offline"]
+V0 = SCHEDULERS["v0"]
 # the engine profile of each source's vLLM version and GPU (the blog's is a recent V1 on an H100;
 # vllm-v1-h100 is fitted on 0.11, vllm-v1-a100 on 0.17 and 0.20.1, around the sweep's 0.19.0)
 PROFILE = {BLOG: "vllm-v1-h100", QWEN25: "vllm-0.6", QWEN2: "vllm-0.4", A100PCIE: "vllm-v1-a100",
