@@ -1,7 +1,11 @@
 """Simulate against published measurements of vLLM on real GPUs: one row per (point, metric),
 the simulated figure beside the published one, and the mean absolute error.
 
-    .venv/bin/python bench/fidelity_published.py [--json]
+    .venv/bin/python bench/fidelity_published.py [--json] [--profiles fitted|v1-defaults|none]
+
+--profiles says which overheads the points take: fitted (the default: each source's engine
+profile), v1-defaults (the V1 rows take the card's default overheads, as before V1 had fitted
+profiles) or none (every row the card's defaults: one set of overheads for every card).
 
 Each point is a dense 7-8B model on one GPU (TP1) at fixed input and output lengths and a fixed
 concurrency or batch, as its source states it; the cards are the presets in
@@ -18,6 +22,7 @@ token budget (8,192 for the OpenAI server on >= 70 GB cards other than A100, 2,0
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 
@@ -89,7 +94,19 @@ POINTS = [
 ]
 
 
-def run_point(point) -> dict:
+PROFILE_CHOICES = ("fitted", "v1-defaults", "none")
+
+
+def profile_of(source: str, choice: str = "fitted") -> str | None:
+    """The engine profile a source's points take under --profiles `choice` (None: the card's
+    default overheads)."""
+    name = PROFILE[source]
+    if choice == "none" or (choice == "v1-defaults" and name.startswith("vllm-v1-")):
+        return None
+    return name
+
+
+def run_point(point, choice: str = "fitted") -> list:
     pid, source, card, model, isl, osl, n, conc, sched, published, util, note = point
     rng = np.random.default_rng(0)
     if pid == "P2":                                 # the post's +-15 % lengths
@@ -99,7 +116,7 @@ def run_point(point) -> dict:
         prompt, gen = np.full(n, isl), np.full(n, osl)
     trace = RequestTrace(prompt, gen, None, name=pid)
     sched = dict(sched)
-    profile = PROFILE[source]
+    profile = profile_of(source, choice)
     r = simulate(trace, ["paged"], model=model, device=card,
                  max_model_len=int((prompt + gen).max()), memory_utilization=util,
                  concurrency=conc, engine_profile=profile, **sched)[0]
@@ -109,7 +126,7 @@ def run_point(point) -> dict:
     rows = []
     for metric, pub in published.items():
         sim = got[metric]
-        rows.append({"point": pid, "card": card, "profile": profile, "model": model,
+        rows.append({"point": pid, "card": card, "profile": profile or "card", "model": model,
                      "input": isl, "output": osl,
                      "requests": n, "concurrency": conc, "metric": metric, "published": pub,
                      "simulated": sim, "error": sim / pub - 1, "source": source,
@@ -118,12 +135,16 @@ def run_point(point) -> dict:
 
 
 def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    rows = [row for p in POINTS for row in run_point(p)]
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", action="store_true", help="rows and summary as JSON")
+    parser.add_argument("--profiles", choices=PROFILE_CHOICES, default="fitted",
+                        help="the overheads the points take (default fitted)")
+    a = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    rows = [row for p in POINTS for row in run_point(p, a.profiles)]
     err = np.abs([r["error"] for r in rows])
     summary = {"rows": len(rows), "mae": float(err.mean()), "max": float(err.max()),
                "beyond_20pct": int((err > 0.2).sum())}
-    if "--json" in argv:
+    if a.json:
         print(json.dumps({"rows": rows, "summary": summary}, indent=1))
         return 0
     print("| point | card | profile | model | in / out | conc. | metric | published | simulated "

@@ -91,6 +91,23 @@ def test_no_fit_point_is_a_point_of_the_published_test_set():
     assert set(fp.PROFILE.values()) <= set(profile_names())
 
 
+def test_the_published_table_can_take_the_card_defaults_instead_of_the_profiles():
+    """--profiles v1-defaults drops only the V1 profiles (the table before they were fitted),
+    --profiles none every profile (one set of overheads for every card)."""
+    import sys
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import fidelity_published as fp
+    finally:
+        sys.path.pop(0)
+    sources = {source: name for source, name in fp.PROFILE.items()}
+    assert {fp.profile_of(s) for s in sources} == set(sources.values())
+    assert {fp.profile_of(s, "none") for s in sources} == {None}
+    kept = {fp.profile_of(s, "v1-defaults") for s in sources}
+    assert None in kept and "vllm-0.6" in kept and not any(
+        n and n.startswith("vllm-v1-") for n in kept)
+
+
 def test_applying_a_profile_replaces_only_the_cards_overheads(tmp_path):
     card = accelerator("a100-80gb")
     p = load_profile(write(tmp_path, GOOD))
