@@ -100,7 +100,7 @@ def test_the_published_table_can_take_the_card_defaults_instead_of_the_profiles(
         import fidelity_published as fp
     finally:
         sys.path.pop(0)
-    sources = {source: name for source, name in fp.PROFILE.items()}
+    sources = fp.PROFILE
     assert {fp.profile_of(s) for s in sources} == set(sources.values())
     assert {fp.profile_of(s, "none") for s in sources} == {None}
     kept = {fp.profile_of(s, "v1-defaults") for s in sources}
