@@ -162,6 +162,7 @@ def test_several_cards_give_one_row_each(trace_csv, capsys):
     (["--slo", "ttft:500,tpot:-1"], "--slo tpot"),
     (["--slo", "speed:5"], "--slo takes KEY:MS"),
     (["--policy", "odma,bogus"], "unknown policy bogus"),
+    (["--engine-profile", "vllm-9"], "unknown --engine-profile 'vllm-9'"),
 ])
 def test_bad_input_exits_2_with_one_line_before_any_run(bad, says, trace_csv, capsys,
                                                         monkeypatch):
@@ -174,6 +175,29 @@ def test_bad_input_exits_2_with_one_line_before_any_run(bad, says, trace_csv, ca
         status = exc.code
     err = capsys.readouterr().err.strip()
     assert status == 2 and len(err.splitlines()) == 1 and says in err, err
+
+
+def test_an_engine_profile_prices_every_search_and_is_named(trace_csv, capsys):
+    """--engine-profile replaces every card's overheads in the searches: vLLM 0.6's 114 us a
+    layer and weights read at 0.879 make the same loads slower than the a100-80gb card's own
+    terms; the profile is named in the JSON's settings and the page's head line."""
+    argv = ["advise", "--trace", trace_csv, "--model", "qwen2.5-0.5b", "--device",
+            "a100-80gb", "--policy", "odma", "--slo", "ttft:1000,tpot:20", "--jobs", "1"]
+    own, heavy = [], []
+    for out, extra in ((own, []), (heavy, ["--engine-profile", "vllm-0.6"])):
+        assert main([*argv, *extra, "--json"]) == 0
+        out.append(json.loads(capsys.readouterr().out))
+    own, heavy = own[0], heavy[0]
+    assert own["settings"]["engine_profile"] is None
+    assert heavy["settings"]["engine_profile"] == "vllm-0.6"
+    tpot = {}
+    for name, doc in (("own", own), ("heavy", heavy)):
+        tpot[name] = {p["load"]: p["tpot_ms"]["p50"]
+                      for p in doc["cards"][0]["policies"][0]["probes"]}
+    common = set(tpot["own"]) & set(tpot["heavy"])
+    assert common and all(tpot["heavy"][c] > tpot["own"][c] for c in common)
+    assert main([*argv, "--engine-profile", "vllm-0.6"]) == 0
+    assert capsys.readouterr().out.splitlines()[0].endswith("; engine profile vllm-0.6")
 
 
 def test_a_missing_trace_is_refused_in_one_line(capsys):

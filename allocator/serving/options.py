@@ -18,6 +18,7 @@ from odma_cli.errors import BadArgument
 from allocator.policies import POLICIES, policy
 from allocator.serving.cards.presets import (DEFAULT_CARD, DTYPE_SPELLINGS, accelerator,
                                              card_names)
+from allocator.serving.cards.profiles import profile_names
 from allocator.serving.core.checks import PREEMPTION
 from allocator.serving.core.metrics import ITL_TOKEN_TIMES, SLO_METRICS, parse_goodput
 from allocator.serving.sim.replica import MAX_TIER_BYTES
@@ -239,6 +240,15 @@ def clip_note(dropped: int, cut: int, served: int, max_model_len: int) -> str | 
         return None
     return (f"--clip: {dropped} of {served + dropped} requests dropped (prompt alone >= max "
             f"model len {max_model_len}), {cut} generations cut at that length")
+
+
+def add_engine_profile_argument(p, what: str = "the card's") -> None:
+    """--engine-profile NAME|FILE: a serving engine's per-step terms in place of `what`."""
+    p.add_argument("--engine-profile", default=None, metavar="NAME|FILE",
+                   help=f"the serving engine's per-step terms (overheads, weight read "
+                        f"efficiency) in place of {what}: a preset "
+                        f"({', '.join(profile_names())}) or a profile file (TOML); default: "
+                        f"the card's own")
 
 
 def add_length_caps(p) -> None:

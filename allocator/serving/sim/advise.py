@@ -30,7 +30,8 @@ from allocator.serving.cards.presets import (DEFAULT_CARD, DEFAULT_MODEL, DTYPE_
                                              auto_dtype, model_spec)
 from allocator.serving.core.metrics import parse_goodput
 from allocator.serving.core.requests import fit_lengths
-from allocator.serving.options import (add_card_argument, add_dtype_argument, add_length_caps,
+from allocator.serving.options import (add_card_argument, add_dtype_argument,
+                                       add_engine_profile_argument, add_length_caps,
                                        add_preset_argument, cap_lengths, card_emu, cards_of,
                                        parse_policies)
 from allocator.serving.sim.replica import PAGED_LAYOUTS, ServingSetup
@@ -278,18 +279,20 @@ def advise(trace, model=DEFAULT_MODEL, devices=(DEFAULT_CARD,),
            policies=tuple(DEFAULT_POLICIES.split(",")), slo=None, *, requests=DEFAULT_REQUESTS,
            dtype="auto", max_model_len=None, clip=False, max_batch=256, kv_pool_gb=None,
            max_num_batched_tokens=None, page_tokens=16, paged_layout="hnd",
-           prompt_cap=None, output_cap=None, jobs=1, progress=False, same_loads=False) -> dict:
+           prompt_cap=None, output_cap=None, engine_profile=None, jobs=1, progress=False,
+           same_loads=False) -> dict:
     """The JSON object of `odma-hw advise` (schema SCHEMA): per card its memory verdict, KV
     capacity, every policy's goodput search and the recommendation. `trace` a CSV path or a
-    RequestTrace; `slo` {ttft|tpot|e2el: seconds} (default DEFAULT_SLO). Every check is made,
-    for every card, before the first run."""
+    RequestTrace; `slo` {ttft|tpot|e2el: seconds} (default DEFAULT_SLO); `engine_profile` a
+    serving engine's per-step terms in place of every card's own (a preset name or a profile
+    file, as simulate takes it). Every check is made, for every card, before the first run."""
     slo = slo or parse_slo(DEFAULT_SLO)
     tr = trace if not isinstance(trace, (str, os.PathLike)) else load_trace(trace)
     tr = cap_lengths(tr.head(requests) if requests else tr, prompt_cap, output_cap)
     settings = {"model": model, "dtype": dtype, "max_model_len": max_model_len, "clip": clip,
                 "max_batch": max_batch, "kv_pool_gb": kv_pool_gb,
                 "max_batched_tokens": max_num_batched_tokens, "page_tokens": page_tokens,
-                "paged_layout": paged_layout}
+                "paged_layout": paged_layout, "engine_profile": engine_profile}
     for card in devices:
         simulate(tr, policies, device=card, concurrency=1, check_only=True, **settings)
     verdicts = {card: memory_verdict(card, settings) for card in devices}
@@ -350,9 +353,11 @@ def format_card(doc: dict, card: dict) -> list[str]:
 def format_doc(doc: dict) -> str:
     """The whole page: a head line, each card's page, and the cards side by side."""
     slo = ", ".join(f"p99 {k.upper()} <= {v:g} ms" for k, v in doc["slo_ms"].items())
+    profile = doc["settings"].get("engine_profile")
     out = [f"advise: {doc['model']} on {len(doc['cards'])} card(s), {doc['requests']} requests "
            f"of {doc['trace']}; SLO {slo}; load = {doc['load_means']}; latencies in ms at the "
-           f"highest load within the SLO", ""]
+           f"highest load within the SLO"
+           + (f"; engine profile {profile}" if profile else ""), ""]
     for card in doc["cards"]:
         out += format_card(doc, card) + [""]
     if len(doc["cards"]) > 1:
@@ -411,7 +416,8 @@ def _cmd(args) -> int:
                  max_batch=args.max_batch, kv_pool_gb=args.kv_pool_gb,
                  max_num_batched_tokens=args.max_num_batched_tokens,
                  page_tokens=args.page_tokens, paged_layout=args.layout,
-                 prompt_cap=args.prompt_cap, output_cap=args.output_cap, jobs=args.jobs,
+                 prompt_cap=args.prompt_cap, output_cap=args.output_cap,
+                 engine_profile=args.engine_profile, jobs=args.jobs,
                  progress=not args.json or sys.stderr.isatty(), same_loads=bool(args.plot))
     print(jsonout.dumps(doc, indent=1) if args.json else format_doc(doc))
     if args.plot:
@@ -459,6 +465,7 @@ def register(subparsers) -> None:
                    help="paged KV layout: v06, hnd (default), nhd (vLLM v1)")
     p.add_argument("--page-tokens", type=argtypes.positive_int, default=16,
                    help="tokens per page of the paged policy (default 16)")
+    add_engine_profile_argument(p, "every card's")
     add_preset_argument(p)
     p.add_argument("--jobs", type=argtypes.positive_int, default=default_jobs(),
                    help="processes running the searches (default: this machine's CPUs; the "

@@ -25,13 +25,13 @@ from allocator.replay import add_policy_arguments
 from allocator.serving.cards.presets import (DEFAULT_MODEL, DTYPE_BYTES, MODELS, MODEL_ALIASES,
                                              accelerator, auto_dtype, card_names, model_spec)
 from allocator.serving.cards.profiles import engine_profile as load_engine_profile
-from allocator.serving.cards.profiles import profile_names
 from allocator.serving.core.checks import check_scheduling
 from allocator.serving.core.metrics import SIMULATE_METRICS
 from allocator.serving.core.requests import fit_lengths
 from allocator.serving.models import shipped_configs
 from allocator.serving.options import (SERVING_OPTION_UNITS, add_card_argument,
-                                       add_dtype_argument, add_goodput_argument, add_length_caps,
+                                       add_dtype_argument, add_engine_profile_argument,
+                                       add_goodput_argument, add_length_caps,
                                        add_memory_utilization_argument, add_preset_argument,
                                        add_scheduling_arguments, cap_lengths, card_emu, cards_of,
                                        check_options_used, goodput_slo, parse_policies)
@@ -297,10 +297,7 @@ def _add_model_and_card_arguments(p) -> None:
                        "card's tops_int8 / tflops_fp32")
     add_card_argument(p, "each simulated in turn (a table each; rows told apart by "
                          "settings.device in the JSON)")
-    p.add_argument("--engine-profile", default=None, metavar="NAME|FILE",
-                   help=f"the serving engine's per-step terms (overheads, weight read "
-                        f"efficiency) in place of the card's: a preset ({', '.join(profile_names())}"
-                        f") or a profile file (TOML); default: the card's own")
+    add_engine_profile_argument(p)
     p.add_argument("--tp", type=argtypes.positive_int, default=1,
                    help="tensor-parallel cards per replica (default 1)")
     p.add_argument("--replicas", type=argtypes.positive_int, default=1,
