@@ -124,8 +124,9 @@ def main(argv=None) -> int:
         print(f"{profile.name} ({profile.engine} {profile.version}): "
               + ", ".join(f"{t} = {v}" for t, v in values.items()))
         for p, pub, sim in rows:
+            load = f"x{p['batch']}" + (f" c{p['concurrency']}" if "concurrency" in p else "")
             print(f"  {p['id']:<28} {p['model']:<14} {p['card']:<16} in {p['input']:>6} out "
-                  f"{p['output']:>5} x{p['batch']:<4} published {pub:9.4g} s  simulated "
+                  f"{p['output']:>5} {load:<10} published {pub:9.4g} s  simulated "
                   f"{sim:9.4g} s  {sim / pub - 1:+.1%}")
         shipped = {t: getattr(profile, t) for t in values}
         if shipped != values:
