@@ -54,13 +54,27 @@ def run(argv) -> tuple[int, str, str]:
     return rc, out.getvalue(), err.getvalue()
 
 
+# a quick calibration that other work disturbed (its fit is then not checked) is made once
+# more: on a shared 2-core CI machine one in two was, and the fit went unchecked
+CALIBRATE_TRIES = 2
+
+
+def disturbed(result: dict) -> bool:
+    """Whether other work ran during the calibration's steps, as calibrate itself reports."""
+    return bool(result["overheads"]["disturbed"]) or "steps" in result["busy_phases"]
+
+
 @pytest.fixture(scope="module")
 def calibrated(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("card")
-    rc, out, err = run(["calibrate", "--quick", "--json", "--model", "tiny-llama",
-                        "--out", str(folder / "card.toml")])
-    assert rc == 0, err
-    return folder, json.loads(out), err
+    for _ in range(CALIBRATE_TRIES):
+        folder = tmp_path_factory.mktemp("card")
+        rc, out, err = run(["calibrate", "--quick", "--json", "--model", "tiny-llama",
+                            "--out", str(folder / "card.toml")])
+        assert rc == 0, err
+        result = json.loads(out)
+        if not disturbed(result):
+            break
+    return folder, result, err
 
 
 # ----------------------------------------------------------------------------- the card
@@ -137,7 +151,7 @@ def test_the_fitted_overheads_are_nonnegative_and_reproduce_the_steps_they_fit(c
         rel.append((p["step_s"] - model) / p["step_s"])
     rel = np.array(rel)
     assert o["rms_relative_residual"] == pytest.approx(math.sqrt((rel ** 2).mean()), abs=1e-3)
-    if o["disturbed"] or "steps" in result["busy_phases"]:
+    if disturbed(result):
         # the medians then time whatever else ran (on 2 cores, every region of torch's thread
         # pool waits for a descheduled thread), which no form of overheads fits
         pytest.skip(f"other work ran during the calibration (shapes {o['disturbed']} varied "
@@ -906,9 +920,11 @@ def test_the_anchors_take_their_turns_among_the_engines_steps():
         mp.setattr(engine_steps, "_decode_call", decode_call)
         dev = measure.open_torch_device("torch:cpu")
         got = engine_steps.measure_steps(torch, dev, "float32", config, effort, 0, anchor)
-    # one warm-up each, then a round: the decode step, the anchor, the decode step again (the
-    # caches warmed for the next round's first step; the prefill unrecorded)
-    assert order == ["step", "anchor"] + ["step", "anchor", "step"] * 3
+    # one warm-up each, then a round: the decode step, the anchor, the decode step again,
+    # SETTLE_STEPS times (the machine settled for the next round's first steps; the prefill
+    # unrecorded)
+    settle = ["step"] * engine_steps.SETTLE_STEPS
+    assert order == ["step", "anchor"] + (["step", "anchor"] + settle) * 3
     assert list(got["anchors"]) == [(4, 4)] and got["anchors"][(4, 4)][1] >= 0
     assert len(got["decode"]) == 1 and len(got["prefill"]) == 1
 

@@ -22,6 +22,11 @@ from allocator.serving.cards.measure import (Effort, graphed, per_linear, synchr
 FIT_POLICY = "static"                  # contiguous blocks, as the engine's odma and static keep
 READ_LAYERS = 4                        # layers of the pool the read measurement cycles through
 ACCELERATOR_READS = (64, (1024, 4096))  # requests, and the two contexts, on an accelerator
+# untimed steps after a round's anchors. With none, a tiny model's first step took a third
+# longer; with one, the first shapes of the round (2 layers, context 17) still took 1.11-1.19x
+# the same steps at context 257 in three quick calibrations on a 2-core EPYC, and 0.90-0.97x
+# with five (largest residual of the fit 0.079-0.107, then 0.063-0.085)
+SETTLE_STEPS = 5
 
 
 def _quartiles(t: list) -> dict:
@@ -244,12 +249,12 @@ def measure_steps(torch, dev: dict, dtype: str, config, effort: Effort, seed: in
                 shapes.append(("prefill", layers, batch, prompt))
         anchor_calls, anchor_keys = anchors
         # after the anchors, whose weights stream through the caches, the round's first step
-        # once more, untimed: the next round's first step then finds the caches as every
-        # other step does (a tiny model's first step took a third longer without it)
+        # SETTLE_STEPS times more, untimed: the next round's first steps then find the machine
+        # as every other step does
         with torch.no_grad():
             times = time_in_turns(synchronizer(torch, dev["device"]),
                                   [*calls, *anchor_calls], effort.fit_warmup, effort.fit_reps,
-                                  settle=calls[:1] if anchor_calls else [])
+                                  settle=calls[:1] * SETTLE_STEPS if anchor_calls else [])
     finally:
         for alloc in allocs:
             alloc.close()
