@@ -131,14 +131,8 @@ def calibrate(args, progress=None) -> dict:
                                              torch.__version__)
     text = card_json(values) if card_is_json(p["card"]) else card_text(values, comments, header)
     check_card(p["card"], text)
-    from odma_cli import jsonout
-
     # the probe file first: a card never names a file that is not there yet
-    # each written whole, then renamed into place: a failure leaves the old files as they were;
-    # a link at either path is replaced, not followed, so the card's probe:NAME (relative to
-    # the card's folder) names the probe file written beside it
-    probe_text = jsonout.dumps(doc, indent=1) + "\n"
-    write_file(p["probe"], lambda f: f.write(probe_text), "probe file", replace_links=True)
+    _write_probe(p["probe"], doc)
     write_file(p["card"], lambda f: f.write(text), "card", replace_links=True)
     return _result(args, p, effort, m, values, load_before, started)
 
@@ -190,13 +184,20 @@ def _measure(args, p: dict, effort, torch, show) -> dict:
 def _keep_memory(p: dict, effort, bw: dict) -> str:
     """Write the memory's figures to a probe file of their own (no card names it, so the card
     and its probe file stay as they were); what was kept where, for the error line."""
+    path = p["probe"].removesuffix(".probe.json") + ".partial.probe.json"
+    _write_probe(path, probe_document(p["device"], bw, effort.run_sizes))
+    return f"the memory's figures are kept in {path}; no card written"
+
+
+def _write_probe(path: str, doc: dict) -> None:
+    """A probe document written whole, then renamed into place (a failure leaves the old file
+    as it was); a link at the path is replaced, not followed, so a card's probe:NAME (relative
+    to its folder) names the file written beside it."""
     from allocator.trace import write_file
     from odma_cli import jsonout
 
-    path = p["probe"].removesuffix(".probe.json") + ".partial.probe.json"
-    text = jsonout.dumps(probe_document(p["device"], bw, effort.run_sizes), indent=1) + "\n"
+    text = jsonout.dumps(doc, indent=1) + "\n"
     write_file(path, lambda f: f.write(text), "probe file", replace_links=True)
-    return f"the memory's figures are kept in {path}; no card written"
 
 
 def _measure_engine(args, p: dict, effort, torch, show, bw: dict, other: dict) -> dict:
