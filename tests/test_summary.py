@@ -233,8 +233,8 @@ def test_the_engines_default_pool_is_simulates_rule_on_the_card_or_the_device():
     from allocator.serving.cards.presets import accelerator
 
     args = types.SimpleNamespace(kv_pool_gb=None, kv_pool_mb=None, memory_utilization=0.5)
-    card = accelerator("a100-80gb")                                   # 80 GB
-    assert engine_cli.pool_room(card, 200 * 10**9, "torch:cuda:0") == (80 * 10**9,
+    card = accelerator("a100-80gb")                                   # 85.1 GB
+    assert engine_cli.pool_room(card, 200 * 10**9, "torch:cuda:0") == (int(85.1e9),
                                                                          "card a100-80gb")
     assert engine_cli.pool_room(card, 20 * 10**9, "torch:cpu")[0] == 20 * 10**9
     assert engine_cli.pool_room(None, 7, "torch:cpu") == (7, "torch:cpu's free memory")
