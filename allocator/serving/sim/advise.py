@@ -261,9 +261,9 @@ def run_searches(trace, cards, policies, settings, slo, jobs: int, progress,
                 card, p = pending.pop(fut)
                 f = out[(card, p)] = fut.result()
                 if progress:
+                    runs = f"{f['search_runs']} run" + ("" if f["search_runs"] == 1 else "s")
                     print(f"advise: {card} {p}: concurrency {f['load'] or 'none'} within the "
-                          f"SLO ({f['search_runs']} runs, {f['wall_s']:.1f} s)",
-                          file=sys.stderr)
+                          f"SLO ({runs}, {f['wall_s']:.1f} s)", file=sys.stderr)
                 if p != lead:
                     continue
                 also = [x["load"] for x in f["probes"]] if same_loads else ()
