@@ -2,6 +2,7 @@
 the simulated figure beside the published one, and the mean absolute error.
 
     .venv/bin/python bench/fidelity_published.py [--json] [--profiles fitted|v1-defaults|none]
+                                                 [--set vllm-points|saturated|all]
 
 --profiles says which overheads the points take: fitted (the default: each source's engine
 profile), v1-defaults (the V1 rows take the card's default overheads, as before V1 had fitted
@@ -18,6 +19,12 @@ points. The scheduler follows the vLLM version measured: V0
 (up to 0.6) prefills whole prompts first; V1 (0.8 on) runs chunked prefill with its default
 token budget (8,192 for the OpenAI server on >= 70 GB cards other than A100, 2,048 on A100;
 16,384 and 8,192 for the offline LLM class) and paged KV in its token-major layout.
+
+A second set, `saturated`, is reported beside the first and kept out of its summary (the
+issue's targets are the first set's): every vLLM baseline (`vllm serve MODEL`, all defaults,
+vLLM 0.11.0) of the random-dataset cases of GPUStack's performance lab for a dense model on one
+A100 SXM or H100 SXM (Qwen3-14B and Qwen3-32B): 100 to 1,000 requests sent at once, 128 to
+32,000 tokens in, a queue that the engine works off at its full rate.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ import sys
 
 import numpy as np
 
+from allocator.serving.cards.profiles import model_path
 from allocator.serving.sim.simulation import simulate
 from allocator.trace import RequestTrace
 from fit_profiles import SCHEDULERS             # vLLM's schedulers, one place for both scripts
@@ -93,6 +101,53 @@ POINTS = [
      {"batch_latency_ms": 833.421}, 0.9, "benchmark_latency, batch of 8 at once"),
 ]
 
+GPUSTACK = ("gpustack/gpustack docs/performance-lab/{}.md (47277d79), 'Other Benchmark Cases', "
+            "the vLLM baseline")
+CHAT_TEMPLATE = 8       # tokens Qwen3's chat template puts around one user message
+# per page: its cases as (requests, total input tokens, total generated tokens, output tok/s,
+# TTFT p50 ms, TPOT p50 ms), as `vllm bench serve --backend openai-chat --dataset-name random`
+# printed them (input counted before the chat template; outputs that met EOS early included)
+GPUSTACK_CASES = {
+    ("qwen3-14b", "a100"): [(100, 3200000, 9891, 13.65, 359424.54, 462.54),
+                            (500, 1997942, 99783, 245.13, 196621.85, 272.93),
+                            (500, 998175, 50000, 284.64, 86575.09, 334.17),
+                            (1000, 127698, 4000, 149.33, 19150.52, 238.61)],
+    ("qwen3-14b", "h100"): [(100, 3200000, 9855, 25.48, 191051.49, 284.52),
+                            (500, 1997942, 99803, 438.56, 110734.54, 139.68),
+                            (500, 998175, 50000, 505.51, 49138.28, 231.62),
+                            (1000, 127698, 4000, 176.06, 18061.13, 597.29)],
+    ("qwen3-32b", "a100"): [(100, 3200000, 7699, 4.32, 892708.86, 67.32),
+                            (500, 1997942, 99893, 87.48, 564705.97, 96.40),
+                            (500, 998175, 50000, 120.27, 209108.79, 143.96),
+                            (1000, 127698, 4000, 80.69, 31073.76, 544.55)],
+    ("qwen3-32b", "h100"): [(100, 3200000, 7681, 6.64, 582757.65, 43.36),
+                            (500, 1997942, 99790, 102.21, 483375.28, 62.08),
+                            (500, 998175, 50000, 152.42, 164148.38, 84.24),
+                            (1000, 127698, 4000, 121.66, 21342.36, 1292.78)],
+}
+GPUSTACK_GPU = {"a100": ("a100-80gb", V1_SERVER_A100, "vllm-v1-a100"),
+                "h100": ("h100-sxm", V1_SERVER_H, "vllm-v1-h100")}
+
+
+def gpustack_points() -> list:
+    """GPUSTACK_CASES as points of POINTS' form (each source's profile added to PROFILE)."""
+    points = []
+    for (model, gpu), cases in GPUSTACK_CASES.items():
+        card, sched, profile = GPUSTACK_GPU[gpu]
+        source = GPUSTACK.format(f"{model}/{gpu}")
+        PROFILE[source] = profile
+        for n, total_in, total_out, tps, ttft, tpot in cases:
+            isl = round(total_in / n)
+            points.append((f"{model} {gpu} {isl}", source, card, model, isl + CHAT_TEMPLATE,
+                           round(total_out / n), n, None, sched,
+                           {"output_tps": tps, "ttft_p50_ms": ttft, "tpot_p50_ms": tpot}, 0.9,
+                           "vLLM 0.11.0; all sent at once; output: the mean generated"))
+    return points
+
+
+SATURATED = gpustack_points()
+SETS = {"vllm-points": POINTS, "saturated": SATURATED}
+
 
 PROFILE_CHOICES = ("fitted", "v1-defaults", "none")
 
@@ -117,7 +172,7 @@ def run_point(point, choice: str = "fitted") -> list:
     trace = RequestTrace(prompt, gen, None, name=pid)
     sched = dict(sched)
     profile = profile_of(source, choice)
-    r = simulate(trace, ["paged"], model=model, device=card,
+    r = simulate(trace, ["paged"], model=model_path(model), device=card,
                  max_model_len=int((prompt + gen).max()), memory_utilization=util,
                  concurrency=conc, engine_profile=profile, **sched)[0]
     got = {"tpot_p50_ms": r["tpot_s"]["p50"] * 1e3, "tpot_p99_ms": r["tpot_s"]["p99"] * 1e3,
@@ -139,24 +194,40 @@ def main(argv=None) -> int:
     parser.add_argument("--json", action="store_true", help="rows and summary as JSON")
     parser.add_argument("--profiles", choices=PROFILE_CHOICES, default="fitted",
                         help="the overheads the points take (default fitted)")
+    parser.add_argument("--set", choices=("vllm-points", "saturated", "all"),
+                        default="vllm-points",
+                        help="which points: the issue's target set (default), GPUStack's "
+                             "saturated runs, or both, each with its own summary")
     a = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    rows = [row for p in POINTS for row in run_point(p, a.profiles)]
-    err = np.abs([r["error"] for r in rows])
-    summary = {"rows": len(rows), "mae": float(err.mean()), "max": float(err.max()),
-               "beyond_20pct": int((err > 0.2).sum())}
+    rows = {name: [dict(row, set=name) for p in points for row in run_point(p, a.profiles)]
+            for name, points in SETS.items() if a.set in (name, "all")}
+    summaries = {name: summarize(r) for name, r in rows.items()}
     if a.json:
-        print(json.dumps({"rows": rows, "summary": summary}, indent=1))
+        doc = {"rows": [r for rs in rows.values() for r in rs], "summaries": summaries}
+        if "vllm-points" in summaries:
+            doc["summary"] = summaries["vllm-points"]
+        print(json.dumps(doc, indent=1))
         return 0
-    print("| point | card | profile | model | in / out | conc. | metric | published | simulated "
-          "| error |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['point']} | {r['card']} | {r['profile']} | {r['model']} | {r['input']} / {r['output']} | "
-              f"{r['concurrency'] or 'batch ' + str(r['requests'])} | {r['metric']} | "
-              f"{r['published']:.4g} | {r['simulated']:.4g} | {r['error']:+.1%} |")
-    print(f"\nmean absolute error {summary['mae']:.1%} over {summary['rows']} rows; largest "
-          f"{summary['max']:.1%}; {summary['beyond_20pct']} beyond 20 %")
+    for name, rs in rows.items():
+        print(f"### {name}\n")
+        print("| point | card | profile | model | in / out | conc. | metric | published | "
+              "simulated | error |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
+        for r in rs:
+            print(f"| {r['point']} | {r['card']} | {r['profile']} | {r['model']} | {r['input']} / "
+                  f"{r['output']} | {r['concurrency'] or 'batch ' + str(r['requests'])} | "
+                  f"{r['metric']} | {r['published']:.4g} | {r['simulated']:.4g} | "
+                  f"{r['error']:+.1%} |")
+        m = summaries[name]
+        print(f"\nmean absolute error {m['mae']:.1%} over {m['rows']} rows; largest "
+              f"{m['max']:.1%}; {m['beyond_20pct']} beyond 20 %\n")
     return 0
+
+
+def summarize(rows: list) -> dict:
+    err = np.abs([r["error"] for r in rows])
+    return {"rows": len(rows), "mae": float(err.mean()), "max": float(err.max()),
+            "beyond_20pct": int((err > 0.2).sum())}
 
 
 if __name__ == "__main__":

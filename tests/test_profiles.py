@@ -7,6 +7,7 @@ import json
 import pathlib
 import re
 
+import numpy as np
 import pytest
 
 from allocator.serving.cards.presets import accelerator
@@ -84,11 +85,39 @@ def test_no_fit_point_is_a_point_of_the_published_test_set():
         import fidelity_published as fp
     finally:
         sys.path.pop(0)
-    test_set = {(card, model, isl, osl) for _, _, card, model, isl, osl, *_ in fp.POINTS}
+    test_set = {(card, model, isl, osl)
+                for _, _, card, model, isl, osl, *_ in fp.POINTS + fp.SATURATED}
     for name in profile_names():
         for p in engine_profile(name).fit_points:
             assert (p["card"], p["model"], p["input"], p["output"]) not in test_set, p["id"]
     assert set(fp.PROFILE.values()) <= set(profile_names())
+
+
+def test_the_saturated_set_is_reported_beside_the_target_set_not_in_it(capsys):
+    """--set all prints both sets with a summary each; the JSON's `summary` stays the target
+    set's (the issue's figures), and every saturated point is simulated on all three metrics,
+    its lengths the published totals over its requests."""
+    import sys
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import fidelity_published as fp
+    finally:
+        sys.path.pop(0)
+    assert fp.main(["--set", "saturated", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert set(doc["summaries"]) == {"saturated"} and "summary" not in doc
+    assert {r["set"] for r in doc["rows"]} == {"saturated"}
+    assert len(doc["rows"]) == 3 * len(fp.SATURATED) == doc["summaries"]["saturated"]["rows"]
+    assert all(np.isfinite(r["simulated"]) and r["simulated"] > 0 for r in doc["rows"])
+    medium = next(p for p in fp.SATURATED if p[0] == "qwen3-14b a100 1996")
+    assert (medium[4], medium[5], medium[6]) == (1996 + fp.CHAT_TEMPLATE, 100, 500)
+    assert fp.main(["--set", "all"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("mean absolute error") == 2 and "### vllm-points" in out
+    assert fp.main(["--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["summary"] == doc["summaries"]["vllm-points"]
+    assert doc["summary"]["rows"] == sum(len(p[9]) for p in fp.POINTS)
 
 
 def test_the_published_table_can_take_the_card_defaults_instead_of_the_profiles():

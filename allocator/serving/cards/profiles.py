@@ -163,8 +163,9 @@ def engine_profile(name_or_path, option: str = "--engine-profile") -> EngineProf
 
 
 def model_path(name: str) -> str:
-    """What a fit point's `model` names, as simulate's --model takes it: a preset or shipped
-    config by name, else a config of allocator/serving/engine_profiles/configs (published
-    config.json files of the models the profiles were fitted on)."""
+    """What a published point's `model` names, as simulate's --model takes it: a preset or
+    shipped config by name, else a config of allocator/serving/engine_profiles/configs
+    (published config.json files of the models of the profiles' fit points and of
+    bench/fidelity_published.py)."""
     own = PROFILE_DIR / "configs" / f"{name}.json"
     return str(own) if own.is_file() else name
