@@ -953,3 +953,36 @@ def test_a_failure_after_the_memory_keeps_its_figures_and_changes_no_card(tmp_pa
     assert str(kept) in err and str(failure) in last and last.startswith("odma-hw: ")
     assert probe_timing(str(kept)).seq_gbps > 0
     assert card.read_text() == "an earlier card\n" and probe.read_text() == "its probe file\n"
+
+
+def test_compare_floors_refits_one_calibration_with_each_floor(tmp_path, capsys):
+    """bench/compare_floors.py: steps made of the per-operator floor and four overhead terms
+    fit it exactly; the whole-step max(memory, compute), below that floor where the products
+    are compute-bound and the attention waits on the KV, leaves residuals there."""
+    import pathlib
+    import sys
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "bench"))
+    try:
+        import compare_floors
+    finally:
+        sys.path.pop(0)
+    points = []
+    for layers in (2, 24):
+        for batch in (1, 4, 16, 32):
+            for context in (16, 1024):
+                weights, products = 0.01 * layers, 0.002 * layers * batch
+                kv, attention = 1e-6 * layers * batch * context, 2e-7 * layers * batch * context
+                floor = max(weights, products) + max(kv, attention)
+                over = 1e-3 + 1e-4 * layers + 2e-4 * batch + 1e-5 * layers * batch
+                points.append({"layers": layers, "batch": batch, "context": context,
+                               "step_s": floor + over, "floor_s": floor,
+                               "memory_s": weights + kv, "compute_s": products + attention})
+    path = tmp_path / "cal.json"
+    path.write_text(json.dumps({"overheads": {"points": points}}))
+    assert compare_floors.main([str(path), "--json"]) == 0
+    fits = json.loads(capsys.readouterr().out)
+    assert fits["per-operator"]["rms"] < 1e-9
+    assert fits["whole-step"]["max"] > 0.05
+    (tmp_path / "bad.json").write_text("{}")
+    assert compare_floors.main([str(tmp_path / "bad.json")]) == 2
+    assert "calibrate --json" in capsys.readouterr().err

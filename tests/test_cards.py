@@ -639,13 +639,45 @@ def test_a_measured_matmul_table_sets_each_steps_compute_by_its_rows(tmp_path):
     assert timer.efficiency(4) == pytest.approx((0.5 + 0.5 * (4.0 - 0.5)) / peak)
     assert timer.efficiency(4096) == pytest.approx(16.0 / peak)     # beyond: the nearest end
     for nb in (1, 16):
-        _, _, _, f0, _ = timer._decode_lines(nb)
-        assert f0 == pytest.approx(nb * timer.flops_per_request / (table[str(nb)] * 1e12))
+        _, compute, _ = timer.decode_terms(nb, 0)
+        assert compute == pytest.approx(nb * timer.flops_per_request / (table[str(nb)] * 1e12))
     secs, flops, _ = timer.prefill([(256, 0)])
     assert secs >= flops / 16e12
     plain_timer = StepTimer(ServingSetup(QWEN, ideal_card(tmp_path), IdealTiming(200.0),
                                          max_model_len=4096), "contiguous")
     assert plain_timer.efficiency(1) == plain_timer.efficiency(256) == 0.5     # the MFU
+
+
+def test_a_steps_products_and_attention_each_take_their_own_roofline(tmp_path):
+    """An engine runs a layer's products, then its attention: where the products are
+    compute-bound (a CPU at a few rows) and the attention waits on the KV, the step takes the
+    sum of the two, not the larger of the step's whole reads and whole FLOPs; where both are
+    memory-bound (a GPU's decode) the two are the same."""
+    def floor(table, context, nb=16):
+        # a CPU's engine: its products at the table's rate, its attention reading at 20 GB/s
+        card = (ideal_card(tmp_path, matmul_tflops=table,
+                           engine_run_gbps={"64": 20.0, "1048576": 20.0})
+                if table else ideal_card(tmp_path))
+        timer = StepTimer(ServingSetup(QWEN, card, IdealTiming(card.bandwidth_gbps),
+                                       max_model_len=context + 1), "contiguous")
+        for _ in range(nb):
+            r = SimpleNamespace()
+            timer.linearize(r, 0, context, None)
+            timer.add(r, +1)
+        memory, compute, step = timer.decode_terms(nb, 0)
+        kv = memory - timer.w_seconds
+        attention = timer.flops_per_ctx * nb * context / (timer.card_flops
+                                                          * timer.efficiency(nb))
+        return memory, compute, step, kv, attention, timer
+
+    slow = {"1": 0.1, "16": 2.0, "256": 4.0}     # TFLOPS: 16 rows compute-bound
+    memory, compute, step, kv, attention, timer = floor(slow, 2048)
+    products = compute - attention
+    assert products > timer.w_seconds and kv > attention          # the CPU's case
+    assert step == pytest.approx(products + kv)
+    assert step > max(memory, compute) * 1.2                       # the old floor hid the KV
+    memory, compute, step, *_ = floor(None, 2048)                 # MFU 0.5: memory-bound
+    assert memory > compute and step == pytest.approx(memory)
 
 
 # ------------------------------------------------------------------------------ fuzzed files

@@ -165,8 +165,8 @@ def test_tensor_parallel_splits_weights_and_kv_and_adds_all_reduce(mlu_timing):
 
 
 def test_a_large_batch_on_hbm_is_compute_bound_and_on_lpddr5_memory_bound(mlu_timing):
-    """Decode is max(memory, compute): 200 requests of 1,000 tokens are compute-bound on an
-    A100's 2 TB/s and memory-bound on an MLU370-X4's 307 GB/s."""
+    """Decode's products are compute-bound at 200 requests of 1,000 tokens on an A100's 2 TB/s
+    and memory-bound on an MLU370-X4's 307 GB/s."""
     trace = RequestTrace([1000] * 200, [50] * 200, None, name="wide")
     a100 = accelerator("a100-80gb")
     hbm = MeasuredTiming("flat", {256: 1800.0}, 1900.0, 1500.0)

@@ -122,9 +122,10 @@ def timer(spec, layers: int, max_len: int, dtype: str, timing, tflops: float, ma
 
 def predicted_floor(spec, layers: int, batch: int, context: int, dtype: str, timing,
                     tflops: float, matmul: dict, engine_gbps: dict | None = None) -> dict:
-    """The simulator's own max(memory, compute) of one decode step (StepTimer.decode_terms) of
-    `spec` at `layers` layers, `batch` requests of `context` tokens each in contiguous blocks,
-    with no overheads: what remains of a measured step is the overheads."""
+    """The simulator's own floor of one decode step (StepTimer.decode_terms: the products,
+    then the attention, each at its roofline) of `spec` at `layers` layers, `batch` requests of
+    `context` tokens each in contiguous blocks, with no overheads: what remains of a measured
+    step is the overheads."""
     from types import SimpleNamespace
 
     t = timer(spec, layers, context + 1, dtype, timing, tflops, matmul, engine_gbps)
@@ -132,8 +133,8 @@ def predicted_floor(spec, layers: int, batch: int, context: int, dtype: str, tim
         r = SimpleNamespace()
         t.linearize(r, 0, context, None)
         t.add(r, +1)
-    memory, compute = t.decode_terms(batch, 0)
-    return {"memory_s": memory, "compute_s": compute, "floor_s": max(memory, compute)}
+    memory, compute, floor = t.decode_terms(batch, 0)
+    return {"memory_s": memory, "compute_s": compute, "floor_s": floor}
 
 
 def predicted_prefill(spec, layers: int, batch: int, prompt: int, dtype: str, timing,

@@ -114,10 +114,15 @@ class ModelSpec:
         2 per weight of the layers and final norm per token, the LM head for the last token
         only (an engine computes logits where it samples), plus causal attention over cached +
         new tokens."""
-        attn = 4.0 * self.layers * self.heads * self.head_dim * (
-            prompt * cached + prompt * (prompt + 1) / 2)
         head = self.vocab * self.hidden
-        return 2.0 * (self.streamed_params - head) * prompt + 2.0 * head + attn
+        return (2.0 * (self.streamed_params - head) * prompt + 2.0 * head
+                + self.prefill_attention_flops(prompt, cached))
+
+    def prefill_attention_flops(self, prompt: int, cached: int = 0) -> float:
+        """prefill_flops' attention: QK^T and AV of `prompt` new tokens, causal, over `cached`
+        tokens before them and themselves."""
+        return 4.0 * self.layers * self.heads * self.head_dim * (
+            prompt * cached + prompt * (prompt + 1) / 2)
 
 
 # config.json of each model (Hugging Face): DeepSeek-R1-Distill-Qwen-7B is the Qwen2.5-7B

@@ -1,15 +1,20 @@
 """What the steps of one card of a replica cost: the timing executor of the serving simulation.
 
-    decode = max(memory, compute) + step overhead
+    decode = max(weights, products) + max(KV, attention) + step overhead
              + layers x (layer overhead + batch x layer-request overhead)
              + batch x request overhead + all-reduce (TP > 1), where
-      memory = weights / (seq GB/s x the card's weight_read_efficiency)
-               + sum over running requests of their KV runs / (run GB/s)
-               (run GB/s: the card's engine_run_gbps where it has one, the rate the engine's
-               attention reads runs at; else the memory's, from the card's timing source),
-      compute = the batch's FLOPs (weights and attention over each context) / (peak x MFU)
-    prefill = max(FLOPs / (peak x MFU), bytes / seq GB/s) + step overhead
+      weights = streamed weights / (seq GB/s x the card's weight_read_efficiency),
+      products = the batch's FLOPs through the weights / (peak x MFU),
+      KV = sum over running requests of their KV runs / (run GB/s)
+           (run GB/s: the card's engine_run_gbps where it has one, the rate the engine's
+           attention reads runs at; else the memory's, from the card's timing source),
+      attention = the batch's FLOPs over each context / (peak x MFU)
+    prefill = max(weights / seq GB/s, products) + max(KV bytes / seq GB/s, attention)
+              + step overhead
               + layers x (layer overhead + prompts x layer-request overhead) + all-reduce
+      (each operator at its own roofline, one after the other as an engine runs them: a
+      CPU whose products are compute-bound while its attention waits on memory takes the sum;
+      a roofline of the whole step would hide the shorter of the two)
       (the card's prefill_* overheads where it gives them: an engine that replays its decode
       steps from CUDA graphs runs prompts eagerly; a chunked step with prompt chunks in it
       pays them instead of the decode step's per-step and per-layer ones)
@@ -294,11 +299,15 @@ class StepTimer:
         the cache) pairs."""
         s = self.s
         flops = sum(s.model.prefill_flops(h - c, cached=c) for h, c in parts) / s.tp
+        attn = sum(s.model.prefill_attention_flops(h - c, cached=c) for h, c in parts) / s.tp
         computed = sum(h - c for h, c in parts)
         nbytes = self.weight_bytes + sum(h for h, _ in parts) * self.bpt
-        # an engine that runs attention request by request pays that per prompt too
-        secs = (max(flops / (self.card_flops * self.efficiency(computed)),
-                    nbytes / (self.seq_gbps * 1e9))
+        rate = self.card_flops * self.efficiency(computed)
+        bw = self.seq_gbps * 1e9
+        # the products, then the attention, each at its roofline; an engine that runs
+        # attention request by request pays that per prompt too
+        secs = (max((flops - attn) / rate, self.weight_bytes / bw)
+                + max(attn / rate, (nbytes - self.weight_bytes) / bw)
                 + self.prefill_seconds + len(parts) * self.prefill_req_seconds + self.ar_const
                 + computed * self.ar_per_token)
         return secs, flops, nbytes
@@ -329,46 +338,62 @@ class StepTimer:
         return float(np.interp(math.log2(max(rows, 1)), x, y))
 
     def _decode_lines(self, nb: int):
-        """(overheads, m0, m1, f0, f1) of a decode step of the nb running requests at step s:
-        memory m0 + m1 s (weights and KV reads) and compute f0 + f1 s (FLOPs of the batch),
-        each linear in the step index, in seconds."""
+        """(overheads, m0, m1, f0, f1, products) of a decode step of the nb running requests at
+        step s, in seconds: `products` is max(weights, the products' FLOPs), the same every
+        step; the step is max(m0 + m1 s, f0 + f1 s) + overheads, m the line where its attention
+        is memory-bound (products + KV reads), f where it is compute-bound (products + the
+        attention's FLOPs), each linear in the step index."""
         a, sl, ab, sb = self.sums if nb else (0.0, 0.0, 0.0, 0.0)
         over = self.overhead_seconds(nb, self.ar_per_token) + self.ar_const
         rate = self.card_flops * self.efficiency(nb)
-        f0 = (nb * self.flops_per_request + self.flops_per_ctx * ab / self.per_token) / rate
+        products = max(self.w_seconds, nb * self.flops_per_request / rate)
+        f0 = products + self.flops_per_ctx * ab / self.per_token / rate
         f1 = self.flops_per_ctx * sb / self.per_token / rate
-        return over, self.w_seconds + a, sl, f0, f1
+        return over, products + a, sl, f0, f1, products
+
+    def _flops_seconds(self, nb: int, at: float) -> float:
+        """Seconds of a decode step's FLOPs at the card's peak (products and attention)."""
+        ab, sb = (self.sums[2], self.sums[3]) if nb else (0.0, 0.0)
+        return (nb * self.flops_per_request + self.flops_per_ctx * (ab + sb * at)
+                / self.per_token) / self.card_flops
 
     def _count_decode(self, tot, nb: int, k: int, tri: float, secs: float, lines) -> None:
         """Add k decode steps (tri: the sum of their step indices) to tot's components."""
-        _, m0, m1, f0, f1 = lines
+        _, m0, m1, f0, f1, products = lines
         a, sl, ab, sb = self.sums
         tot["decode"] += secs
         tot["kv"] += k * a + sl * tri
         tot["weights"] += k * self.w_seconds
         tot["overheads"] += k * self.overhead_seconds(nb)
         tot["allreduce"] += k * (self.ar_const + nb * self.ar_per_token)
+        beyond = k * (products - self.w_seconds)   # compute beyond the memory time
         if f0 + f1 * tri / k > m0 + m1 * tri / k:
-            tot["compute"] += k * (f0 - m0) + (f1 - m1) * tri   # beyond the memory time
+            beyond += k * (f0 - m0) + (f1 - m1) * tri
+        if beyond > 0:
+            tot["compute"] += beyond
             tot["compute_bound_steps"] += k
         tot["steps"] += k
         tot["kv_bytes"] += k * ab + sb * tri
         tot["batch_seconds"] += nb * secs
 
-    def decode_terms(self, nb: int, step: int) -> tuple[float, float]:
-        """(memory, compute) seconds of a decode step of the nb running requests at `step`, the
-        overheads left out: what `odma-hw calibrate` takes from a measured step to fit them."""
-        _, m0, m1, f0, f1 = self._decode_lines(nb)
-        return m0 + m1 * step, f0 + f1 * step
+    def decode_terms(self, nb: int, step: int) -> tuple[float, float, float]:
+        """(memory, compute, floor) seconds of a decode step of the nb running requests at
+        `step`, the overheads left out: its reads, its FLOPs, and what the step model takes
+        for them (each operator at its roofline), which `odma-hw calibrate` takes from a
+        measured step to fit the overheads."""
+        _, m0, m1, f0, f1, _ = self._decode_lines(nb)
+        a, sl = (self.sums[0], self.sums[1]) if nb else (0.0, 0.0)
+        memory = self.w_seconds + a + sl * step
+        compute = self._flops_seconds(nb, step) / self.efficiency(nb)
+        return memory, compute, max(m0 + m1 * step, f0 + f1 * step)
 
     def decode_span(self, nb: int, step: int, k: int, dt: float | None, tot) -> tuple[int, float]:
         """Run decode steps from `step` with nb requests: at most k (the next event), and no
         more than reach dt seconds when dt is given (a request arrives then). Returns (steps,
         seconds) and adds the components to tot."""
         ab, sb = self.sums[2], self.sums[3]
-        # a step is max(memory, compute) + overheads
-        lines = over, m0, m1, f0, f1 = self._decode_lines(nb)
-        eff = self.efficiency(nb)
+        # a step is max(memory, compute) of its attention, after its products, + overheads
+        lines = over, m0, m1, f0, f1, _ = self._decode_lines(nb)
         compute_bound = f0 + f1 * step > m0 + m1 * step
         if m1 != f1:                               # memory and compute trade places there
             cross = (f0 - m0) / (m1 - f1)
@@ -384,41 +409,48 @@ class StepTimer:
             t_step = max(m0 + m1 * at, f0 + f1 * at) + over
             self.floor_margin = min(self.floor_margin,
                                     t_step * self.peak_bw / (self.weight_bytes + ab + sb * at))
-            self.compute_margin = min(self.compute_margin, t_step / ((f0 + f1 * at) * eff))
+            self.compute_margin = min(self.compute_margin, t_step / self._flops_seconds(nb, at))
         self._count_decode(tot, nb, k, tri, secs, lines)
         return k, secs
 
     def mixed_step(self, nb: int, step: int, chunks, tot) -> float:
         """Seconds of one chunked-prefill step: nb running requests decode (at decode step
         `step`) while prompt chunks [(first position, tokens)] ride along. The weights are read
-        once for all; the chunks add their FLOPs (attention over the context before them
-        included) and their context's KV bytes at the sequential bandwidth (read what is
-        cached, write what they compute), as prefill() counts a whole prompt; with no decode it
-        is prefill() of those chunks. tot gets the decode's components (as decode_span gives
-        them) and the chunks' share of the step, "prefill_chunks"."""
+        once for all, the products over every token of the step; the chunks add their
+        attention's FLOPs (over the context before them) and their context's KV bytes at the
+        sequential bandwidth (read what is cached, write what they compute), as prefill()
+        counts a whole prompt; with no decode it is prefill() of those chunks. tot gets the
+        decode's components (as decode_span gives them) and the chunks' share of the step,
+        "prefill_chunks"."""
         s = self.s
-        ab, sb = (self.sums[2], self.sums[3]) if nb else (0.0, 0.0)
+        a, sl, ab, sb = self.sums if nb else (0.0, 0.0, 0.0, 0.0)
         computed = sum(k for _, k in chunks)
         context = sum(start + k for start, k in chunks)
         chunk_flops = sum(s.model.prefill_flops(k, cached=start) for start, k in chunks) / s.tp
-        lines = over, m0, m1, f0, f1 = self._decode_lines(nb)
-        m_dec, f_dec = m0 + m1 * step, f0 + f1 * step
-        # every token of the step, decodes and chunks, goes through one matrix product
-        eff_nb, eff = self.efficiency(nb), self.efficiency(nb + computed)
-        f_all = (f_dec * eff_nb + chunk_flops / self.card_flops) / eff
+        chunk_attn = sum(s.model.prefill_attention_flops(k, cached=start)
+                         for start, k in chunks) / s.tp
+        lines = over, m0, m1, f0, f1, _ = self._decode_lines(nb)
+        rate = self.card_flops * self.efficiency(nb + computed)
+        # every token of the step, decodes and chunks, goes through one matrix product; then
+        # the attention reads the decodes' KV and the chunks' context, or computes
+        products = max(self.w_seconds,
+                       (nb * self.flops_per_request + chunk_flops - chunk_attn) / rate)
+        ctx_flops = self.flops_per_ctx * (ab + sb * step) / self.per_token
+        attention = max(a + sl * step + context * self.bpt / (self.seq_gbps * 1e9),
+                        (ctx_flops + chunk_attn) / rate)
         extra = (len(chunks) * self.prefill_req_seconds + computed * self.ar_per_token
                  + self.prefill_seconds - self.layer_seconds)   # the step runs as a prefill
-        secs = (max(m_dec + context * self.bpt / (self.seq_gbps * 1e9), f_all) + over
-                + extra)
+        secs = products + attention + over + extra
         nbytes = self.weight_bytes + ab + sb * step + context * self.bpt
+        flops = nb * self.flops_per_request + ctx_flops + chunk_flops
         self.floor_margin = min(self.floor_margin, secs * self.peak_bw / nbytes)
-        self.compute_margin = min(self.compute_margin, secs / (f_all * eff))
+        self.compute_margin = min(self.compute_margin, secs * self.card_flops / flops)
         tot["prefill_tokens"] += computed
         if not nb:
             tot["prefill"] += secs
             tot["prefills"] += 1
             return secs
-        tot["prefill_chunks"] += secs - (max(m_dec, f_dec) + over)
+        tot["prefill_chunks"] += secs - (max(m0 + m1 * step, f0 + f1 * step) + over)
         self._count_decode(tot, nb, 1, step, secs, lines)
         return secs
 
