@@ -21,7 +21,8 @@ token budget (8,192 for the OpenAI server on >= 70 GB cards other than A100, 2,0
 16,384 and 8,192 for the offline LLM class) and paged KV in its token-major layout.
 
 A second set, `saturated`, is reported beside the first and kept out of its summary (the
-issue's targets are the first set's): every vLLM baseline (`vllm serve MODEL`, all defaults,
+targets, a mean absolute error of at most 10 % and no row beyond 20 %, are the first set's):
+every vLLM baseline (`vllm serve MODEL`, all defaults,
 vLLM 0.11.0) of the random-dataset cases of GPUStack's performance lab for a dense model on one
 A100 SXM or H100 SXM (Qwen3-14B and Qwen3-32B): 100 to 1,000 requests sent at once, 128 to
 32,000 tokens in, a queue that the engine works off at its full rate.
@@ -196,8 +197,8 @@ def main(argv=None) -> int:
                         help="the overheads the points take (default fitted)")
     parser.add_argument("--set", choices=("vllm-points", "saturated", "all"),
                         default="vllm-points",
-                        help="which points: the issue's target set (default), GPUStack's "
-                             "saturated runs, or both, each with its own summary")
+                        help="which points: the target set (default), GPUStack's saturated "
+                             "runs, or both, each with its own summary")
     a = parser.parse_args(sys.argv[1:] if argv is None else argv)
     rows = {name: [dict(row, set=name) for p in points for row in run_point(p, a.profiles)]
             for name, points in SETS.items() if a.set in (name, "all")}

@@ -95,7 +95,7 @@ def test_no_fit_point_is_a_point_of_the_published_test_set():
 
 def test_the_saturated_set_is_reported_beside_the_target_set_not_in_it(capsys):
     """--set all prints both sets with a summary each; the JSON's `summary` stays the target
-    set's (the issue's figures), and every saturated point is simulated on all three metrics,
+    set's (the targets are its), and every saturated point is simulated on all three metrics,
     its lengths the published totals over its requests."""
     import sys
     sys.path.insert(0, str(ROOT / "bench"))
