@@ -131,12 +131,11 @@ GPUSTACK_GPU = {"a100": ("a100-80gb", V1_SERVER_A100, "vllm-v1-a100"),
 
 
 def gpustack_points() -> list:
-    """GPUSTACK_CASES as points of POINTS' form (each source's profile added to PROFILE)."""
+    """GPUSTACK_CASES as points of POINTS' form."""
     points = []
     for (model, gpu), cases in GPUSTACK_CASES.items():
-        card, sched, profile = GPUSTACK_GPU[gpu]
+        card, sched, _ = GPUSTACK_GPU[gpu]
         source = GPUSTACK.format(f"{model}/{gpu}")
-        PROFILE[source] = profile
         for n, total_in, total_out, tps, ttft, tpot in cases:
             isl = round(total_in / n)
             points.append((f"{model} {gpu} {isl}", source, card, model, isl + CHAT_TEMPLATE,
@@ -147,6 +146,8 @@ def gpustack_points() -> list:
 
 
 SATURATED = gpustack_points()
+PROFILE.update({GPUSTACK.format(f"{model}/{gpu}"): GPUSTACK_GPU[gpu][2]
+                for model, gpu in GPUSTACK_CASES})
 SETS = {"vllm-points": POINTS, "saturated": SATURATED}
 
 

@@ -1,7 +1,10 @@
 """What every test may assume of the process it runs in."""
 
+import importlib
 import os
+import pathlib
 import signal
+import sys
 
 import pytest
 
@@ -49,3 +52,18 @@ def tri(monkeypatch):
         return "cuda"
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     return "cpu"
+
+
+@pytest.fixture
+def bench():
+    """bench(NAME): the script bench/NAME.py as a module, bench/ on sys.path while it imports
+    (the scripts import their neighbours by name)."""
+    folder = str(pathlib.Path(__file__).resolve().parents[1] / "bench")
+
+    def load(name: str):
+        sys.path.insert(0, folder)
+        try:
+            return importlib.import_module(name)
+        finally:
+            sys.path.pop(0)
+    return load

@@ -955,17 +955,11 @@ def test_a_failure_after_the_memory_keeps_its_figures_and_changes_no_card(tmp_pa
     assert card.read_text() == "an earlier card\n" and probe.read_text() == "its probe file\n"
 
 
-def test_compare_floors_refits_one_calibration_with_each_floor(tmp_path, capsys):
+def test_compare_floors_refits_one_calibration_with_each_floor(tmp_path, capsys, bench):
     """bench/compare_floors.py: steps made of the per-operator floor and four overhead terms
     fit it exactly; the whole-step max(memory, compute), below that floor where the products
     are compute-bound and the attention waits on the KV, leaves residuals there."""
-    import pathlib
-    import sys
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "bench"))
-    try:
-        import compare_floors
-    finally:
-        sys.path.pop(0)
+    compare_floors = bench("compare_floors")
     points = []
     for layers in (2, 24):
         for batch in (1, 4, 16, 32):

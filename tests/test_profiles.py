@@ -16,7 +16,6 @@ from allocator.serving.cards.profiles import (PROFILE_DIR, TERMS, engine_profile
 from odma_cli.errors import BadArgument
 from odma_cli.main import main
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 GOOD = """name = "mine"
 engine = "vllm"
 version = "9.9"
@@ -78,13 +77,8 @@ def test_the_presets_load_and_every_fitted_term_says_what_it_was_fitted_from(nam
                 "llama-3.1-8b", "qwen2.5-0.5b", "qwen2.5-7b")
 
 
-def test_no_fit_point_is_a_point_of_the_published_test_set():
-    import sys
-    sys.path.insert(0, str(ROOT / "bench"))
-    try:
-        import fidelity_published as fp
-    finally:
-        sys.path.pop(0)
+def test_no_fit_point_is_a_point_of_the_published_test_set(bench):
+    fp = bench("fidelity_published")
     test_set = {(card, model, isl, osl)
                 for _, _, card, model, isl, osl, *_ in fp.POINTS + fp.SATURATED}
     for name in profile_names():
@@ -93,16 +87,11 @@ def test_no_fit_point_is_a_point_of_the_published_test_set():
     assert set(fp.PROFILE.values()) <= set(profile_names())
 
 
-def test_the_saturated_set_is_reported_beside_the_target_set_not_in_it(capsys):
+def test_the_saturated_set_is_reported_beside_the_target_set_not_in_it(capsys, bench):
     """--set all prints both sets with a summary each; the JSON's `summary` stays the target
     set's (the targets are its), and every saturated point is simulated on all three metrics,
     its lengths the published totals over its requests."""
-    import sys
-    sys.path.insert(0, str(ROOT / "bench"))
-    try:
-        import fidelity_published as fp
-    finally:
-        sys.path.pop(0)
+    fp = bench("fidelity_published")
     assert fp.main(["--set", "saturated", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert set(doc["summaries"]) == {"saturated"} and "summary" not in doc
@@ -120,15 +109,10 @@ def test_the_saturated_set_is_reported_beside_the_target_set_not_in_it(capsys):
     assert doc["summary"]["rows"] == sum(len(p[9]) for p in fp.POINTS)
 
 
-def test_the_published_table_can_take_the_card_defaults_instead_of_the_profiles():
+def test_the_published_table_can_take_the_card_defaults_instead_of_the_profiles(bench):
     """--profiles v1-defaults drops only the V1 profiles (the table before they were fitted),
     --profiles none every profile (one set of overheads for every card)."""
-    import sys
-    sys.path.insert(0, str(ROOT / "bench"))
-    try:
-        import fidelity_published as fp
-    finally:
-        sys.path.pop(0)
+    fp = bench("fidelity_published")
     sources = fp.PROFILE
     assert {fp.profile_of(s) for s in sources} == set(sources.values())
     assert {fp.profile_of(s, "none") for s in sources} == {None}
@@ -210,13 +194,8 @@ def test_a_profile_with_more_overhead_slows_simulate_and_is_named_in_the_result(
     assert fast["tpot_s"]["p50"] < card["tpot_s"]["p50"]
 
 
-def test_the_fit_script_reproduces_the_shipped_terms(capsys):
-    import sys
-    sys.path.insert(0, str(ROOT / "bench"))
-    try:
-        import fit_profiles
-    finally:
-        sys.path.pop(0)
+def test_the_fit_script_reproduces_the_shipped_terms(capsys, bench):
+    fit_profiles = bench("fit_profiles")
     assert fit_profiles.main(["--check"]) == 0
     out = capsys.readouterr().out
     for name in profile_names():
@@ -226,16 +205,11 @@ def test_the_fit_script_reproduces_the_shipped_terms(capsys):
     assert errors and max(map(abs, errors)) <= 10.0
 
 
-def test_a_served_point_is_simulated_as_a_closed_loop_and_its_tpot_fitted(tmp_path):
+def test_a_served_point_is_simulated_as_a_closed_loop_and_its_tpot_fitted(tmp_path, bench):
     """A point of a serving benchmark (`concurrency` requests in flight, TPOT p50) is simulated
     as it ran: more requests in flight make a longer decode step, and the fitted per-layer term
     brings the simulated TPOT to the published one."""
-    import sys
-    sys.path.insert(0, str(ROOT / "bench"))
-    try:
-        import fit_profiles
-    finally:
-        sys.path.pop(0)
+    fit_profiles = bench("fit_profiles")
     profile = load_profile(write(tmp_path, GOOD + 'fitted = ["layer_overhead_us"]\n' + POINT))
     point = profile.fit_points[0]
     assert point["concurrency"] == 8 and isinstance(point["concurrency"], int)
