@@ -1,6 +1,7 @@
 """The engine's batched step: every layout's blocks become run tables that satisfy the kernels'
 contract and address exactly the block's bytes; CUDA graphs are captured for the padded batch
-sizes vLLM pads to; options that cannot run here are refused in one line before any work."""
+sizes vLLM pads to; a step on the kernels' path reads back nothing but its tokens; options that
+cannot run here are refused in one line before any work."""
 
 from __future__ import annotations
 
@@ -260,3 +261,94 @@ def test_whole_prompts_over_run_tables_are_one_launch_a_layer_for_any_prompt_cou
     assert runs[1][2]["triton:prefill"] == 4             # one a layer (the 4-layer count)
     with pytest.raises(BadArgument, match="--prompt-attention"):
         step_launches(cfg, "triton", "on", tri, 2, "prefill", "flash")
+
+
+# the ways a tensor's values reach the host, each a wait for the device's queued work
+HOST_READS = {"item", "tolist", "numpy", "cpu", "__array__", "__bool__", "__int__", "__float__",
+              "__index__"}
+# operators whose result depends on values the host must see (sizes, Python scalars)
+SYNCING_OPS = {"_local_scalar_dense", "nonzero", "is_nonzero", "masked_select", "equal",
+               "_unique2", "unique_consecutive"}
+# and these where an index is a boolean mask (on a GPU, its nonzero() first)
+MASKABLE_OPS = {"index", "index_put", "index_put_", "_index_put_impl_"}
+
+
+def waits_for_values(func, args) -> bool:
+    name = func.overloadpacket.__name__
+    if name in MASKABLE_OPS and len(args) > 1:
+        return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1])
+    return name in SYNCING_OPS
+
+
+@pytest.mark.parametrize("policy,pool,sched,paths", [
+    ("extent", 70, dict(preemption="swap", swap_bytes=1 << 20, max_batched_tokens=12,
+                        prompt_attention="runs"), {"chunk", "migrate", "swap", "resume"}),
+    ("paged", 60, {}, {"preempt"})], ids=["extent-chunked-swapped", "paged-prompts-recomputed"])
+def test_a_step_on_the_kernels_path_reads_back_only_its_tokens(tri, policy, pool, sched,
+                                                               paths):
+    """No host synchronisation inside a step where a GPU runs it (the Triton kernels, here
+    interpreted): no operator of the forward pass waits for values (.item(), a boolean mask),
+    the forward reads no tensor but the token ids it is given (host memory), and the one read
+    of a step is its chosen tokens, once for the whole batch; over extents and pages, through
+    an extent merge, preemptions (recomputed and swapped), whole prompts and chunks. A read
+    inside the forward would stall the device every step, and a CUDA graph could not capture
+    it."""
+    from torch.overrides import TorchFunctionMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from allocator.serving.engine import runner as runner_mod
+    from allocator.serving.engine import serve as te
+
+    class Syncs(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if waits_for_values(func, args):
+                self.ops.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    class Reads(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.reads, self.inputs = [], set()
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            name = getattr(func, "__name__", "")
+            if (name in HOST_READS and args and isinstance(args[0], torch.Tensor)
+                    and id(args[0]) not in self.inputs):
+                self.reads.append(name)
+            return func(*args, **(kwargs or {}))
+
+    reads, syncs, forwards = Reads(), Syncs(), []
+    forward = runner_mod.Runner.forward
+
+    def watched(self, batch):
+        reads.inputs = {id(ids) for _, ids, _ in batch if isinstance(ids, torch.Tensor)}
+        before = len(reads.reads)
+        with syncs:
+            logits = forward(self, batch)
+        forwards.append(len(reads.reads) - before)
+        return logits
+
+    cfg, _ = models.load_config("tiny-qwen2")
+    model = te.build_model(cfg, "float32", tri, seed=0)
+    rng = np.random.default_rng(12)
+    prompts = te.prompt_ids(6, rng.integers(3, 26, 6), cfg.vocab_size, 12)
+    gen = [int(g) for g in rng.integers(1, 20, 6)]
+    log: list = []
+    bpt = models.kv_bytes_per_token(cfg, "float32")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(runner_mod.Runner, "forward", watched)
+        with reads:
+            run = te.serve(model, prompts, gen, np.zeros(len(gen)), policy,
+                           pool_bytes=pool * bpt, max_model_len=48, max_batch=6, page_tokens=4,
+                           predictor="noisy", attention="triton", log=log,
+                           config=AllocatorConfig(background_refresh=False, token_alignment=4,
+                                                  extent_knee_tokens=4, extent_max=2), **sched)
+    assert run["attention"] == "triton" and all(r.made == g for r, g in zip(run["requests"], gen))
+    assert {w for w, _ in log} >= paths | {"preempt"}, log     # the paths above were taken
+    assert syncs.ops == []
+    assert forwards and set(forwards) == {0}, "the forward pass read a tensor back"
+    assert reads.reads == ["tolist"] * len(forwards)          # each step's tokens, once

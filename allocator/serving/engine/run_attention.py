@@ -337,9 +337,10 @@ def store_kv(pool, k, v, slot, slot_cap, layer: int, kv_heads: int, head_dim: in
              backend: str | None = None, align: int = 1, cache: dict | None = None) -> None:
     """Write k, v [N, kv_heads, head_dim] (the step's new tokens) into their slots for `layer`:
     token n's (layer, c, h) row goes to slot[n] + ((layer * 2 + c) * kv_heads + h) *
-    slot_cap[n] * head_dim; slot[n] < 0 is skipped. Device ops only on CUDA (no host sync);
-    on the torch path one scatter, its index built once a step where the caller passes the
-    same `cache` dict for every layer of the step. `align`: as RunTable.align, for the slots."""
+    slot_cap[n] * head_dim; slot[n] < 0 is skipped. The Triton path is device ops only (no
+    host sync: a CUDA graph captures it); the torch path is one scatter, its index built once a
+    step where the caller passes the same `cache` dict for every layer of the step, which reads
+    back once whether every slot is kept. `align`: as RunTable.align, for the slots."""
     N = k.shape[0]
     if k.shape != (N, kv_heads, head_dim) or v.shape != k.shape:
         raise BadArgument(f"store_kv: k {tuple(k.shape)}, v {tuple(v.shape)}, expected "
