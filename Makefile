@@ -42,8 +42,9 @@ test: $(TEST_STAMP)
 bench: $(TEST_STAMP)
 	$(BIN)/python -m pytest bench --benchmark-only --benchmark-columns=min,median,max
 
-# on a GPU machine without network: the run-table kernels, engine --check, the speed runs and the
-# kernel benchmark in one deadline (bench/gpu_check.sh says what it needs beside the checkout)
+# on a GPU machine without network: engine --check, the speed runs, calibrate and simulate, the
+# kernel benchmark and the CUDA tests in one deadline (bench/gpu_check.sh says what it needs
+# beside the checkout)
 gpu-check:
 	OUT=$${OUT:-gpu-results} bash bench/gpu_check.sh
 
