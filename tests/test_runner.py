@@ -5,6 +5,7 @@ cannot run here are refused in one line before any work."""
 
 from __future__ import annotations
 
+import collections
 import types
 
 import numpy as np
@@ -113,6 +114,51 @@ def test_cuda_graphs_and_triton_are_refused_where_they_cannot_run(tmp_path, caps
         assert code == 2 and len(err.splitlines()) == 1 and words in err, err
 
 
+def eager_graphs(monkeypatch, forward=None) -> list:
+    """serve()'s decode graphs on the CPU: made as a GPU makes them, each size "captured" by
+    one forward over the empty static inputs, each replay running forward(graphs, size) again
+    (default graphs._forward(size), the function a GPU captures). Returns the list that the
+    size of every decode batch a graph served is appended to."""
+    from allocator.serving.engine import runner as runner_mod
+    from allocator.serving.engine import serve as te
+
+    forward = forward or (lambda graphs, size: graphs._forward(size))
+    batches: list = []
+
+    class Replay:
+        def __init__(self, graphs, size):
+            self.graphs, self.size = graphs, size
+            forward(graphs, size)
+
+        def replay(self):
+            self.graphs.logits[self.size] = forward(self.graphs, self.size)
+
+    def make_graphs(runner, max_batch, max_runs):
+        graphs = runner_mod.DecodeGraphs(runner, max_batch, max_runs)
+        graphs.graphs = {s: Replay(graphs, s) for s in reversed(graphs.sizes)}
+        real = graphs.decode
+
+        def decode(batch):
+            logits = real(batch)
+            assert logits is not None, "a decode step outgrew the graphs' run tables"
+            batches.append(len(batch))
+            return logits
+        graphs.decode = decode
+        runner.graphs = graphs
+
+    monkeypatch.setattr(te, "use_graphs", lambda *a: True)
+    monkeypatch.setattr(te, "make_graphs", make_graphs)
+    return batches
+
+
+def graph_requests(cfg, n=7, seed=3):
+    from allocator.serving.engine import serve as te
+
+    rng = np.random.default_rng(seed)
+    prompts = te.prompt_ids(n, rng.integers(3, 30, n), cfg.vocab_size, seed)
+    return prompts, [int(g) for g in rng.integers(1, 20, n)]
+
+
 @pytest.mark.parametrize("attention", ["torch", "triton"])
 def test_padded_decode_graph_steps_make_generates_tokens(monkeypatch, attention):
     """The decode graphs' static buffers, padding and table packing, replayed eagerly on the
@@ -124,38 +170,12 @@ def test_padded_decode_graph_steps_make_generates_tokens(monkeypatch, attention)
         pytest.importorskip("triton")
         monkeypatch.setenv("TRITON_INTERPRET", "1")
         policies = ("paged",)
-    from allocator.serving.engine import runner as runner_mod
     from allocator.serving.engine import serve as te
 
-    class Replay:
-        def __init__(self, graphs, size):
-            self.graphs, self.size = graphs, size
-
-        def replay(self):
-            self.graphs.logits[self.size] = self.graphs._forward(self.size)
-
-    replays = []
-
-    def fake_graphs(runner, max_batch, max_runs):
-        graphs = runner_mod.DecodeGraphs(runner, max_batch, max_runs)
-        graphs.graphs = {s: Replay(graphs, s) for s in graphs.sizes}
-        real = graphs.decode
-
-        def decode(batch):
-            logits = real(batch)
-            assert logits is not None, "a decode step outgrew the graphs' run tables"
-            replays.append(len(batch))
-            return logits
-        graphs.decode = decode
-        runner.graphs = graphs
-
-    monkeypatch.setattr(te, "use_graphs", lambda *a: True)
-    monkeypatch.setattr(te, "make_graphs", fake_graphs)
+    replays = eager_graphs(monkeypatch)
     cfg, _ = models.load_config("tiny-qwen2")
     model = te.build_model(cfg, "float32", "cpu", seed=0)
-    rng = np.random.default_rng(3)
-    prompts = te.prompt_ids(7, rng.integers(3, 30, 7), cfg.vocab_size, 3)
-    gen = [int(g) for g in rng.integers(1, 20, 7)]
+    prompts, gen = graph_requests(cfg)
     reference = [model.generate(p[None], max_new_tokens=g, min_new_tokens=g, do_sample=False,
                                 eos_token_id=None, pad_token_id=0)[0, p.numel():].tolist()
                  for p, g in zip(prompts, gen)]
@@ -170,6 +190,79 @@ def test_padded_decode_graph_steps_make_generates_tokens(monkeypatch, attention)
         assert run["tokens"] == reference, policy
         assert run["fused_layers"] is (attention == "triton")
         assert {3, 5} & set(replays), replays        # batches padded to 4 and 6
+
+
+def test_every_decode_step_from_a_graph_makes_the_launches_it_captured(tri, monkeypatch):
+    """A CUDA graph replays the launches it captured, with the arguments they had then: only
+    the values in memory change. So every decode step through the graph of one padded size
+    must make the capture's launches (the capture ran over the empty static inputs): the same
+    operators and kernels, grids, Python numbers, shapes, strides and dtypes, the same memory
+    for every tensor that outlives the step (weights, the pool, the static inputs) and the
+    same host values copied in. A value of one step reaching a launch another way would be
+    replayed stale on a GPU: wrong tokens and no error. Fused layers and Triton kernels, pages
+    and extents."""
+    from unittest import mock
+
+    from torch.overrides import TorchFunctionMode
+
+    from allocator.serving.engine import serve as te
+    from allocator.serving.engine.launches import Launches
+
+    captured: dict = {}
+    replayed = collections.Counter()
+    numpy_tensor = torch.from_numpy
+
+    def recorded(graphs, size):
+        r = graphs.runner
+        lasting = {t.untyped_storage().data_ptr() for t in (
+            *r.model.parameters(), *r.model.buffers(), r.kv.flat, graphs.device_bytes)}
+
+        def arg(a):
+            if isinstance(a, torch.Tensor):
+                kept = a.untyped_storage().data_ptr() in lasting
+                return (tuple(a.shape), a.stride(), a.dtype, a.data_ptr() if kept else None)
+            if isinstance(a, (list, tuple)):
+                return tuple(arg(b) for b in a)
+            if isinstance(a, dict):
+                return tuple((k, arg(v)) for k, v in sorted(a.items()))
+            return a            # a Python number, a dtype, None
+
+        calls: list = []
+
+        class HostData(TorchFunctionMode):     # torch.tensor(...) of Python values
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                if func in (torch.tensor, torch.as_tensor) and not torch.is_tensor(args[0]):
+                    calls.append(("host data", np.asarray(args[0]).tolist()))
+                return func(*args, **(kwargs or {}))
+
+        def from_numpy(array):
+            calls.append(("host data", array.tolist()))
+            return numpy_tensor(array)
+
+        with mock.patch.object(torch, "from_numpy", from_numpy), HostData(), \
+                Launches(lambda name, args, kwargs: calls.append((name, arg(args), arg(kwargs)))):
+            logits = graphs._forward(size)
+        if size not in captured:
+            captured[size] = calls
+        else:
+            replayed[size] += 1
+            assert calls == captured[size], f"a step through the graph of {size} launches " \
+                f"otherwise than its capture"
+        return logits
+
+    batches = eager_graphs(monkeypatch, recorded)
+    cfg, _ = models.load_config("tiny-qwen2")
+    model = te.build_model(cfg, "float32", tri, seed=0)
+    prompts, gen = graph_requests(cfg)
+    bpt = models.kv_bytes_per_token(cfg, "float32")
+    for policy in ("paged", "extent"):
+        captured.clear()
+        run = te.serve(model, prompts, gen, np.zeros(len(gen)), policy, pool_bytes=400 * bpt,
+                       max_model_len=64, max_batch=6, page_tokens=4, attention="triton",
+                       config=AllocatorConfig(background_refresh=False, token_alignment=4,
+                                              extent_knee_tokens=4, extent_max=4))
+        assert run["fused_layers"] is True and all(c for c in captured.values())
+    assert len(batches) == sum(replayed.values()) and len(replayed) >= 3, replayed
 
 
 def test_a_capture_that_fails_once_is_tried_again_with_the_collector_kept_out(monkeypatch):

@@ -28,13 +28,20 @@ _NO_KERNEL = {"empty", "empty_strided", "new_empty", "new_empty_strided", "empty
 
 class Launches(TorchDispatchMode):
     """Counts launches inside its `with` block: by_name (a Counter: aten operator names and
-    "triton:<kernel>") and total."""
+    "triton:<kernel>") and total; on_launch(name, args, kwargs), where given, sees each one as
+    it is made (a Triton launch's args start with its grid)."""
 
-    def __init__(self):
+    def __init__(self, on_launch=None):
         super().__init__()
         self.by_name: collections.Counter = collections.Counter()
+        self.on_launch = on_launch
         self._inside_triton = 0
         self._patch = None
+
+    def _count(self, name, args, kwargs):
+        self.by_name[name] += 1
+        if self.on_launch is not None:
+            self.on_launch(name, args, kwargs or {})
 
     @property
     def total(self) -> int:
@@ -43,7 +50,7 @@ class Launches(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
         if not self._inside_triton and not func.is_view and name not in _NO_KERNEL:
-            self.by_name[name] += 1
+            self._count(name, args, kwargs)
         return func(*args, **(kwargs or {}))
 
     def __enter__(self):
@@ -61,7 +68,7 @@ class Launches(TorchDispatchMode):
                 launch = self.kern[grid]
 
                 def run(*args, **kwargs):
-                    counter.by_name["triton:" + self.name] += 1
+                    counter._count("triton:" + self.name, (grid, *args), kwargs)
                     counter._inside_triton += 1
                     try:
                         return launch(*args, **kwargs)
