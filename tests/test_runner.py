@@ -377,8 +377,8 @@ def waits_for_values(func, args) -> bool:
     ("extent", 70, dict(preemption="swap", swap_bytes=1 << 20, max_batched_tokens=12,
                         prompt_attention="runs"), {"chunk", "migrate", "swap", "resume"}),
     ("paged", 60, {}, {"preempt"})], ids=["extent-chunked-swapped", "paged-prompts-recomputed"])
-def test_a_step_on_the_kernels_path_reads_back_only_its_tokens(tri, policy, pool, sched,
-                                                               paths):
+def test_a_step_on_the_kernels_path_reads_back_only_its_tokens(tri, monkeypatch, policy, pool,
+                                                               sched, paths):
     """No host synchronisation inside a step where a GPU runs it (the Triton kernels, here
     interpreted): no operator of the forward pass waits for values (.item(), a boolean mask),
     the forward reads no tensor but the token ids it is given (host memory), and the one read
@@ -432,14 +432,13 @@ def test_a_step_on_the_kernels_path_reads_back_only_its_tokens(tri, policy, pool
     gen = [int(g) for g in rng.integers(1, 20, 6)]
     log: list = []
     bpt = models.kv_bytes_per_token(cfg, "float32")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(runner_mod.Runner, "forward", watched)
-        with reads:
-            run = te.serve(model, prompts, gen, np.zeros(len(gen)), policy,
-                           pool_bytes=pool * bpt, max_model_len=48, max_batch=6, page_tokens=4,
-                           predictor="noisy", attention="triton", log=log,
-                           config=AllocatorConfig(background_refresh=False, token_alignment=4,
-                                                  extent_knee_tokens=4, extent_max=2), **sched)
+    monkeypatch.setattr(runner_mod.Runner, "forward", watched)
+    with reads:
+        run = te.serve(model, prompts, gen, np.zeros(len(gen)), policy, pool_bytes=pool * bpt,
+                       max_model_len=48, max_batch=6, page_tokens=4, predictor="noisy",
+                       attention="triton", log=log,
+                       config=AllocatorConfig(background_refresh=False, token_alignment=4,
+                                              extent_knee_tokens=4, extent_max=2), **sched)
     assert run["attention"] == "triton" and all(r.made == g for r, g in zip(run["requests"], gen))
     assert {w for w, _ in log} >= paths | {"preempt"}, log     # the paths above were taken
     assert syncs.ops == []
