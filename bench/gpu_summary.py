@@ -1,7 +1,7 @@
 """The figures of one bench/gpu_check.sh run, from its step outputs (FOLDER/*.out, each the
-JSON a command printed): engine --check mismatches, each engine run beside simulate's
-prediction of it (output tok/s, TTFT p50, TPOT p50 and p99, simulate / engine), odma against
-transformers' continuous batching, and the card calibrate measured.
+JSON a command printed): engine --check mismatches, the tests run on the card, each engine run
+beside simulate's prediction of it (output tok/s, TTFT p50, TPOT p50 and p99, simulate /
+engine), odma against transformers' continuous batching, and the card calibrate measured.
 
     python bench/gpu_summary.py FOLDER
 """
@@ -42,6 +42,15 @@ def checks(folder: Path) -> list[str]:
         got = ", ".join(f"{r['policy']} {r.get('mismatches')}" for r in doc["results"])
         failed = [x["policy"] for x in doc.get("failed", [])]
         lines.append(f"{f.stem}: mismatches {got}" + (f"; FAILED {failed}" if failed else ""))
+    return lines
+
+
+def tests(folder: Path) -> list[str]:
+    """pytest's last line of each test step (pytest_*.out): what passed on the card."""
+    lines = []
+    for f in sorted(folder.glob("pytest_*.out")):
+        out = f.read_text(errors="replace").strip().splitlines()
+        lines.append(f"{f.stem}: {out[-1].strip('= ') if out else 'no output'}")
     return lines
 
 
@@ -143,8 +152,8 @@ def kernel(folder: Path) -> list[str]:
 
 def main(argv=None) -> int:
     folder = Path((argv or sys.argv[1:] or ["."])[0])
-    print("\n".join(card(folder) + checks(folder) + speed(folder) + fidelity(folder)
-                    + kernel(folder)))
+    print("\n".join(card(folder) + checks(folder) + tests(folder) + speed(folder)
+                    + fidelity(folder) + kernel(folder)))
     return 0
 
 
