@@ -130,12 +130,17 @@ GPUSTACK_GPU = {"a100": ("a100-80gb", V1_SERVER_A100, "vllm-v1-a100"),
                 "h100": ("h100-sxm", V1_SERVER_H, "vllm-v1-h100")}
 
 
+def gpustack_source(model: str, gpu: str) -> str:
+    """The source of one GPUStack page (a model on a GPU)."""
+    return GPUSTACK.format(f"{model}/{gpu}")
+
+
 def gpustack_points() -> list:
     """GPUSTACK_CASES as points of POINTS' form."""
     points = []
     for (model, gpu), cases in GPUSTACK_CASES.items():
         card, sched, _ = GPUSTACK_GPU[gpu]
-        source = GPUSTACK.format(f"{model}/{gpu}")
+        source = gpustack_source(model, gpu)
         for n, total_in, total_out, tps, ttft, tpot in cases:
             isl = round(total_in / n)
             points.append((f"{model} {gpu} {isl}", source, card, model, isl + CHAT_TEMPLATE,
@@ -146,7 +151,7 @@ def gpustack_points() -> list:
 
 
 SATURATED = gpustack_points()
-PROFILE.update({GPUSTACK.format(f"{model}/{gpu}"): GPUSTACK_GPU[gpu][2]
+PROFILE.update({gpustack_source(model, gpu): GPUSTACK_GPU[gpu][2]
                 for model, gpu in GPUSTACK_CASES})
 SETS = {"vllm-points": POINTS, "saturated": SATURATED}
 

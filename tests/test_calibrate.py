@@ -55,8 +55,8 @@ def run(argv) -> tuple[int, str, str]:
 
 
 # a quick calibration that other work disturbed (its fit is then not checked) is made again, up
-# to three times in all: on a shared 2-core CI machine one in two was, and with two tries both
-# CI runs of 2026-11-27 (late) still left the fit unchecked
+# to three times in all: on a shared 2-core CI machine one in two was (its shortest steps' upper
+# quartile is the usual trigger), and two tries often left the fit unchecked
 CALIBRATE_TRIES = 3
 
 
