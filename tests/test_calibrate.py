@@ -37,9 +37,10 @@ REQUIRED = ("name", "bandwidth_gbps", "capacity_gb", "tflops_bf16", "timing", "l
 OVERHEADS = ("step_overhead_us", "layer_overhead_us", "request_overhead_us",
              "layer_request_overhead_us")
 # What a --quick fit must reproduce of the step times it was fitted on, each relative to the
-# step: the root mean square over the points, and the worst point. On a quiet 2-core machine the
-# fit is within 5 % everywhere; the margin is for timing noise, not for a form that fits badly
-# (without its per-step term the worst point is off by 17 %).
+# step: the root mean square over the points, and the worst point. In 18 quick calibrations of
+# tiny-llama on a 2-core machine with no other process busy during the steps, the fit's rms was
+# 0.021-0.095 and its worst point 0.046-0.169; the same steps fitted without the per-step term
+# gave an rms above 0.1 in 16 of the 18 (a form that fits badly fails, timing noise does not).
 RMS_TOLERANCE = 0.1
 POINT_TOLERANCE = 0.2
 
@@ -55,14 +56,18 @@ def run(argv) -> tuple[int, str, str]:
 
 
 # a quick calibration that other work disturbed (its fit is then not checked) is made again, up
-# to three times in all: on a shared 2-core CI machine one in two was (its shortest steps' upper
-# quartile is the usual trigger), and two tries often left the fit unchecked
+# to three times in all
 CALIBRATE_TRIES = 3
 
 
 def disturbed(result: dict) -> bool:
-    """Whether other work ran during the calibration's steps, as calibrate itself reports."""
-    return bool(result["overheads"]["disturbed"]) or "steps" in result["busy_phases"]
+    """Whether other work ran during the calibration's steps, as calibrate itself reports:
+    other processes busy during them, or most shapes' steps varied as on a busy machine.
+    A few varying shapes are a quiet 2-core machine's noise: in 18 quick calibrations with
+    other processes at under 4 % of the CPUs, 11 flagged 0-4 shapes of 12 and fitted with an
+    rms of at most 0.07; one with 34 % of the CPUs taken by another process fitted with 0.27."""
+    o = result["overheads"]
+    return len(o["disturbed"]) > len(o["points"]) / 2 or "steps" in result["busy_phases"]
 
 
 @pytest.fixture(scope="module")
