@@ -151,11 +151,12 @@ def eager_graphs(monkeypatch, forward=None) -> list:
     return batches
 
 
-def graph_requests(cfg, n=7, seed=3):
+def graph_requests(cfg, n=7, seed=3, longest=29):
+    """n seeded requests: prompts of 3 to `longest` tokens, 1 to 19 tokens made of each."""
     from allocator.serving.engine import serve as te
 
     rng = np.random.default_rng(seed)
-    prompts = te.prompt_ids(n, rng.integers(3, 30, n), cfg.vocab_size, seed)
+    prompts = te.prompt_ids(n, rng.integers(3, longest + 1, n), cfg.vocab_size, seed)
     return prompts, [int(g) for g in rng.integers(1, 20, n)]
 
 
@@ -427,9 +428,7 @@ def test_a_step_on_the_kernels_path_reads_back_only_its_tokens(tri, monkeypatch,
 
     cfg, _ = models.load_config("tiny-qwen2")
     model = te.build_model(cfg, "float32", tri, seed=0)
-    rng = np.random.default_rng(12)
-    prompts = te.prompt_ids(6, rng.integers(3, 26, 6), cfg.vocab_size, 12)
-    gen = [int(g) for g in rng.integers(1, 20, 6)]
+    prompts, gen = graph_requests(cfg, n=6, seed=12, longest=25)
     log: list = []
     bpt = models.kv_bytes_per_token(cfg, "float32")
     monkeypatch.setattr(runner_mod.Runner, "forward", watched)
