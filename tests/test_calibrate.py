@@ -138,8 +138,15 @@ def test_the_fitted_overheads_are_nonnegative_and_reproduce_the_steps_they_fit(c
     assert card["request_overhead_us"] == pytest.approx(o["request_us"] + loop["request_s"] * 1e6,
                                                         rel=1e-5, abs=1e-9)
     for key in ("prefill_step_overhead_us", "prefill_layer_overhead_us",
-                "prefill_layer_request_overhead_us"):
+                "prefill_layer_request_overhead_us", "chunk_layer_overhead_us"):
         assert card[key] >= 0, key
+    # the chunked steps, timed at each depth and fitted with the whole prompts
+    chunked = o["chunked"]["points"]
+    assert [(q["layers"], q["batch"], q["context"], q["chunk"], q["start"]) for q in chunked] \
+        == [(L, B, C + 1, n, s) for L in measure.QUICK.fit_layers
+            for B, C, n, s in measure.QUICK.chunk_shapes]
+    assert o["chunked"]["rms_relative_residual"] == pytest.approx(
+        math.sqrt(np.mean([q["relative_residual"] ** 2 for q in chunked])), rel=1e-9)
     assert card["layer_request_overhead_us"] == pytest.approx(o["layer_request_us"], rel=1e-5,
                                                               abs=1e-9)
     k, a, b, c = (o[key] * 1e-6 for key in ("step_us", "layer_us", "request_us",
@@ -290,6 +297,14 @@ def test_the_prefill_fit_recovers_step_layer_and_per_prompt_per_layer_costs():
                                  "prefill_layer_request_overhead_us": 50.0}, rel=1e-9)
     with pytest.raises(calfit.BadArgument, match="at least 4 points"):
         calfit.fit_prefill_overheads(L[:3], P[:3], over[:3], over[:3])
+    # with the pieces after cached tokens, their per-layer cost besides
+    Q = np.tile([0, 1, 1], 2).astype(float)
+    d = 120e-6
+    got = calfit.fit_prefill_overheads(L, P, over + L * Q * d, over + 2e-4, Q)
+    assert got == pytest.approx({"prefill_step_overhead_us": 900.0,
+                                 "prefill_layer_overhead_us": 300.0,
+                                 "prefill_layer_request_overhead_us": 50.0,
+                                 "chunk_layer_overhead_us": 120.0}, rel=1e-9)
 
 
 def test_a_coefficient_the_data_would_make_negative_is_zero_and_the_rest_optimal():
@@ -424,7 +439,7 @@ def measured_instantly(monkeypatch):
 
     def steps(torch, dev, dtype, config, effort, seed, anchors=((), ())):
         # the products ran at 0.8x their own phase's speed among the steps
-        out = {"decode": [], "prefill": [], "anchors": {
+        out = {"decode": [], "prefill": [], "chunked": [], "anchors": {
             (k, n): {rows: 2.0 * rows * k * n / (0.8 * 0.01 * math.sqrt(rows)) / 1e12}
             for k, n, rows, _ in anchors[1]}}
         for layers in effort.fit_layers:
@@ -436,6 +451,9 @@ def measured_instantly(monkeypatch):
             for batch, prompt in effort.prefill_shapes:
                 out["prefill"].append({"layers": layers, "batch": batch, "prompt": prompt,
                                        **times(2e-3 * layers)})
+            for batch, context, chunk, start in effort.chunk_shapes:
+                out["chunked"].append({"layers": layers, "batch": batch, "context": context + 1,
+                                       "chunk": chunk, "start": start, **times(3e-3 * layers)})
         return out
 
     def reads(torch, dev, dtype, config, effort, seed):
@@ -870,15 +888,33 @@ def test_the_overheads_fitted_on_two_depths_are_recovered_with_each_depths_own_m
             step = floor + k + layers * a + batch * b + layers * batch * c
             steps["decode"].append({"layers": layers, "batch": batch, "context": 257,
                                     "step_s": step})
+    # steps with prompts: whole prompts, and chunks beside decodes (a first chunk and one after
+    # cached tokens), each what the simulator makes of it with these prefill terms
+    pre = {"prefill_step_overhead_us": 3000.0, "prefill_layer_overhead_us": 500.0,
+           "prefill_layer_request_overhead_us": 40.0, "chunk_layer_overhead_us": 200.0}
+    over = {"step_overhead_us": k * 1e6, "layer_overhead_us": a * 1e6,
+            "request_overhead_us": b * 1e6, "layer_request_overhead_us": c * 1e6, **pre}
+    steps["chunked"] = []
+    for layers in (2, 24):
+        table = measure.set_tflops(each, dataclasses.replace(spec, layers=layers).decode_products)
         for batch, prompt in ((1, 64), (4, 16)):
             steps["prefill"].append({"layers": layers, "batch": batch, "prompt": prompt,
-                                     "step_s": 2 * calfit.predicted_prefill(
+                                     "step_s": calfit.predicted_prefill(
                                          spec, layers, batch, prompt, "float32", timing,
-                                         table[64], table, None, {})})
+                                         table[64], table, None, over)})
+        for batch, chunk, start in ((4, 32, 0), (8, 64, 128)):
+            steps["chunked"].append({"layers": layers, "batch": batch, "context": 257,
+                                     "chunk": chunk, "start": start,
+                                     "step_s": calfit.predicted_chunked(
+                                         spec, layers, batch, 257, chunk, start, "float32",
+                                         timing, table[64], table, None, over)})
     got = calfit.fit_steps(spec, "float32", steps, timing, each, 64, None)
     assert [got["fit"][key] for key in ("step_s", "layer_s", "request_s", "layer_request_s")] \
         == pytest.approx([k, a, b, c], rel=1e-6)
     assert got["fit"]["max_relative_residual"] < 1e-9
+    assert {key: got["card"][key] for key in pre} == pytest.approx(pre, rel=1e-6)
+    for kind in ("prefill", "chunked"):
+        assert got["fit"][kind]["max_relative_residual"] < 1e-9
 
 
 def test_the_products_speed_among_the_steps_is_the_median_of_the_anchors_ratios():

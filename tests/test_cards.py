@@ -593,6 +593,33 @@ def test_the_step_overhead_is_paid_once_a_step_whatever_its_batch_and_depth(tmp_
             - StepTimer(setup, "contiguous").prefill([(100, 0)])[0]) == pytest.approx(700e-6)
 
 
+def test_a_prompt_piece_after_cached_tokens_pays_the_chunk_term_per_layer(tmp_path):
+    """chunk_layer_overhead_us: per layer, for each piece of a prompt that starts after tokens
+    in the cache (a later chunk, a prompt after its cached prefix), in a prefill and in a
+    chunked step alike; a prompt's first piece does not pay it."""
+    import collections
+
+    base = ideal_card(tmp_path)
+    t = IdealTiming(base.bandwidth_gbps)
+    plain = StepTimer(ServingSetup(QWEN, base, t, max_model_len=4096), "contiguous")
+    plus = StepTimer(ServingSetup(QWEN, dataclasses.replace(base, chunk_layer_overhead_us=10.0),
+                                  t, max_model_len=4096), "contiguous")
+    per_piece = QWEN.layers * 10e-6
+    for parts, pieces in (([(100, 0)], 0), ([(300, 200)], 1), ([(100, 0), (300, 200)], 1),
+                          ([(64, 32), (300, 200)], 2)):
+        assert plus.prefill(parts)[0] - plain.prefill(parts)[0] == pytest.approx(
+            pieces * per_piece)
+    for timer in (plain, plus):          # two requests decoding at 500 tokens
+        for _ in range(2):
+            r = SimpleNamespace()
+            timer.linearize(r, 0, 500, None)
+            timer.add(r, +1)
+    for chunks, pieces in (([(0, 128)], 0), ([(256, 128)], 1), ([(0, 64), (256, 128)], 1)):
+        got = [timer.mixed_step(2, 0, chunks, collections.defaultdict(float))
+               for timer in (plus, plain)]
+        assert got[0] - got[1] == pytest.approx(pieces * per_piece)
+
+
 def test_the_engines_read_table_prices_the_kv_in_place_of_the_memorys(tmp_path):
     """A card with engine_run_gbps reads each request's KV runs at the table's rate for their
     size (interpolated in log size), the memory's timing still reading the weights."""

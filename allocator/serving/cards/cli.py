@@ -56,7 +56,7 @@ import time
 
 from odma_cli.errors import BadArgument, DeviceError, OdmaError, error_line
 
-from allocator.serving.cards import engine_steps, fit
+from allocator.serving.cards import engine_steps, fit, summary
 from allocator.serving.cards.measure import (BUSY_OTHER_SHARE, FULL, MEMORY_MODES, QUICK,
                                              TORCH_SOURCE, Effort, OtherLoad, disturbed,
                                              engine_dtype, linear_calls, matmul_bytes,
@@ -226,7 +226,9 @@ def _measure_engine(args, p: dict, effort, torch, show, bw: dict, other: dict) -
          f"{' and '.join(map(str, effort.fit_layers))} layers: decode batch "
          f"{', '.join(map(str, effort.fit_batches))} x context "
          f"{', '.join(map(str, effort.fit_contexts))}, prefill "
-         f"{', '.join(f'{b} x {n}' for b, n in effort.prefill_shapes)}, {effort.fit_reps} "
+         f"{', '.join(f'{b} x {n}' for b, n in effort.prefill_shapes)}, chunked "
+         f"{', '.join(f'{b} x {c} + {n} at {s}' for b, c, n, s in effort.chunk_shapes)}, "
+         f"{effort.fit_reps} "
          f"steps each, among them the products at "
          f"{', '.join(map(str, anchor_rows(args, effort)))} rows")
     load = OtherLoad()
@@ -341,82 +343,13 @@ def _result(args, p: dict, effort, m: dict, values: dict, load_before, started: 
                       "fit_model": args.model, "fit_layers": list(effort.fit_layers),
                       "disturbed": busy, "points": points,
                       "prefill": dict(fitting["prefill"], points=steps["prefill"]),
+                      "chunked": dict(fitting["chunked"], points=steps["chunked"]),
                       "loop": loop},
         "other_cpu_share": other, "busy_phases": sorted(loaded),
         "load_average_before": load_before,
         "seconds": time.perf_counter() - started,
     }
 
-
-
-def format_summary(r: dict) -> str:
-    v = r["card_values"]
-    bw = r["bandwidth"]
-    lines = [f"{r['device']} ({r['device_name']}), engine dtype {r['dtype']}"
-             + (" (--quick)" if r["quick"] else ""),
-             f"memory figures: {bw['source']}"
-             + (f" (--memory {r['memory']})" if r.get("memory") else ""),
-             f"bandwidth: sequential {bw['seq_gbps']:.2f} GB/s, copy {bw['copy_gbps']:.2f} GB/s; "
-             "random runs: " + ", ".join(f"{byte_text(int(s))} {g:.2f}"
-                                         for s, g in bw["runs_gbps"].items()) + " GB/s"]
-    mm = r["matmul"]
-    shapes = ", ".join(f"{q['count']} x {q['k']} -> {q['n']}" for q in mm["products"])
-    for dtype, t in mm["tflops"].items():
-        parts = [f"{rows} rows {x:.4g}" for rows, x in t.items()]
-        lines.append(f"matmul {dtype} ({shapes}): " + ", ".join(parts) + " TFLOPS")
-    lines.append(f"the products ran {mm['steps_speed']:.3g}x as fast among the engine's steps "
-                 f"(at {', '.join(map(str, mm['steps_speed_rows']))} rows) as in their own "
-                 f"phase: the figures above are scaled by it")
-    er = r["engine_reads"]
-    lines.append(f"engine KV reads ({er['backend']} attention) by run: "
-                 + ", ".join(f"{byte_text(int(b))} {g:.3g}" for b, g in er["gbps"].items())
-                 + " GB/s")
-    o = r["overheads"]
-    c = o["card"]
-    lines.append(f"overheads fitted on {o['fit_model']}'s decode steps at "
-                 f"{'/'.join(map(str, o['fit_layers']))} layers: per step "
-                 f"{o['step_us']:.1f} us, per layer {o['layer_us']:.1f} us, per request "
-                 f"{o['request_us']:.2f} us, per request per layer {o['layer_request_us']:.2f} us; "
-                 f"rms relative residual {o['rms_relative_residual']:.3f}, max "
-                 f"{o['max_relative_residual']:.3f}"
-                 + (f"; WARNING: {len(o['disturbed'])} shapes measured on a busy machine"
-                    if o["disturbed"] else ""))
-    lp = o["loop"]
-    lines.append(f"the serving loop adds {lp['step_s'] * 1e6:.1f} us per step and "
-                 f"{lp['request_s'] * 1e6:.2f} us per request: "
-                 + ", ".join(f"batch {q['batch']} {q['step_s'] * 1e3:.3f} ms a step, the Runner's "
-                             f"{q['runner_step_s'] * 1e3:.3f}" for q in lp["points"]))
-    lines.append(f"card overheads: step_overhead_us {c['step_overhead_us']:.1f}, "
-                 f"layer_overhead_us {c['layer_overhead_us']:.1f}, request_overhead_us "
-                 f"{c['request_overhead_us']:.2f}, layer_request_overhead_us "
-                 f"{c['layer_request_overhead_us']:.2f}")
-    head = ["step", "layers", "batch", "tokens", "measured ms", "simulate ms", "residual"]
-    rows = [head] + [[kind, str(q["layers"]), str(q["batch"]), str(q.get("context",
-                                                                          q.get("prompt"))),
-                      f"{q['step_s'] * 1e3:.3f}", f"{q['fitted_s'] * 1e3:.3f}",
-                      f"{q['relative_residual'] * 100:+.1f}%"]
-                     for kind, pts in (("decode", o["points"]), ("prefill",
-                                                                 o["prefill"]["points"]))
-                     for q in pts]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
-    for row in rows:
-        lines.append("  " + "  ".join(c.rjust(w) for c, w in zip(row, widths)))
-    lines.append(f"prefill steps as simulate predicts them with these overheads: rms relative "
-                 f"residual {o['prefill']['rms_relative_residual']:.3f}, max "
-                 f"{o['prefill']['max_relative_residual']:.3f}")
-    lines.append(f"card: {r['card']} (name {v['name']!r}; capacity {v['capacity_gb']:.1f} GB, "
-                 f"tflops_bf16 {v['tflops_bf16']:.4g}"
-                 + (f", tflops_fp32 {v['tflops_fp32']:.4g}" if "tflops_fp32" in v else "")
-                 + f"; link_gbps {v['link_gbps']:g} and link_latency_us "
-                   f"{v['link_latency_us']:g} are placeholders)")
-    lines.append(f"probe: {r['probe']}; {r['seconds']:.0f} s")
-    shares = {k: v for k, v in r["other_cpu_share"].items() if v is not None}
-    if shares:
-        lines.append("other processes' share of the CPUs: "
-                     + ", ".join(f"{k} {v:.0%}" for k, v in shares.items())
-                     + ("; WARNING: " + ", ".join(r["busy_phases"]) + " measured on a busy "
-                        "machine" if r["busy_phases"] else ""))
-    return "\n".join(lines)
 
 
 def _cmd(args) -> int:
@@ -428,7 +361,7 @@ def _cmd(args) -> int:
             sys.stderr.flush()
 
     result = calibrate(args, progress)
-    print(jsonout.dumps(result, indent=1) if args.json else format_summary(result))
+    print(jsonout.dumps(result, indent=1) if args.json else summary.format_summary(result))
     return 0
 
 

@@ -1,7 +1,7 @@
 """What the engine itself costs on a device, measured for a card: the rate its attention kernel
-reads KV runs at, by run length (the card's engine_run_gbps), and the time of its own decode and
-prefill steps over the batches and contexts it serves (fitted into the card's overheads by
-fit.py).
+reads KV runs at, by run length (the card's engine_run_gbps), and the time of its own decode,
+prefill and chunked-prefill steps over the batches and contexts it serves (fitted into the
+card's overheads by fit.py).
 
 Both run the engine's code as it serves: Runner steps over KVPool blocks of a policy's
 allocator, and decode_attention over run tables with the backend the engine picks on the device
@@ -157,14 +157,23 @@ def step_contexts(config, effort: Effort) -> list:
     return [c for c in effort.fit_contexts if c < config.max_position_embeddings]
 
 
+def chunk_shapes(config, effort: Effort) -> list:
+    """effort.chunk_shapes whose decodes' context is one the decode steps run at."""
+    contexts = step_contexts(config, effort)
+    return [s for s in effort.chunk_shapes
+            if s[1] in contexts and s[2] + s[3] < config.max_position_embeddings]
+
+
 def pool_shape(config, effort: Effort) -> tuple[int, int]:
     """(blocks, tokens a block) of the static pool measure_steps serves its steps from: a block
-    for each request of the largest batch at each context, and for each prompt of the largest
-    prefill."""
+    for each request of the largest batch at each context, for each prompt of the prefills
+    and for each chunked step's prompt."""
     contexts = step_contexts(config, effort)
-    max_len = max(max(contexts), max(p for _, p in effort.prefill_shapes)) + 1
-    return max(effort.fit_batches) * len(contexts) + max(b for b, _ in effort.prefill_shapes), \
-        max_len
+    chunks = chunk_shapes(config, effort)
+    max_len = max(max(contexts), max(p for _, p in effort.prefill_shapes),
+                  *(tokens + start for _, _, tokens, start in chunks)) + 1
+    return (max(effort.fit_batches) * len(contexts)
+            + sum(b for b, _ in effort.prefill_shapes) + len(chunks)), max_len
 
 
 def steps_bytes(spec, config, dtype: str, layers: int, effort: Effort) -> int:
@@ -206,12 +215,13 @@ def measure_steps(torch, dev: dict, dtype: str, config, effort: Effort, seed: in
     serving loop takes a step's tokens) at each batch of effort.fit_batches x context of
     effort.fit_contexts, every request that many tokens into its static block (re-decoding the
     same position, so every timed step has the same shape); and whole-prompt prefill steps
-    (Runner.prefill) of effort.prefill_shapes (requests x prompt tokens); the attention and
+    (Runner.prefill) of effort.prefill_shapes (requests x prompt tokens); chunked-prefill
+    steps of effort.chunk_shapes (Runner.forward of decodes and a chunk); the attention and
     CUDA graphs as the engine serves by default on the device. Shapes take turns
     (time_in_turns), and so do `anchors`, (calls, keys) of measure.linear_calls: a few matrix
     products timed among the steps, so that the products' table can be set to the speed the
-    machine ran the steps at. {"decode": [...], "prefill": [...], "anchors": per_linear of
-    the anchors}, each point its shape and times."""
+    machine ran the steps at. {"decode": [...], "prefill": [...], "chunked": [...],
+    "anchors": per_linear of the anchors}, each point its shape and times."""
     from allocator.serving.models import head_dim
 
     contexts = step_contexts(config, effort)
@@ -247,6 +257,13 @@ def measure_steps(torch, dev: dict, dtype: str, config, effort: Effort, seed: in
                                            prompt))
                 base += batch
                 shapes.append(("prefill", layers, batch, prompt))
+            for decodes, context, tokens, start in chunk_shapes(config, effort):
+                cached = torch.randn((layers, 2, config.num_key_value_heads, start,
+                                      head_dim(config)), generator=gen).to(getattr(torch, dtype))
+                calls.append(_chunked_call(runner, alloc, rng, vocab, cached, base, tokens,
+                                           decodes, context, contexts.index(context) * most))
+                base += 1
+                shapes.append(("chunked", layers, decodes, (context + 1, tokens, start)))
         anchor_calls, anchor_keys = anchors
         # after the anchors, whose weights stream through the caches, the round's first step
         # SETTLE_STEPS times more, untimed: the next round's first steps then find the machine
@@ -258,10 +275,15 @@ def measure_steps(torch, dev: dict, dtype: str, config, effort: Effort, seed: in
     finally:
         for alloc in allocs:
             alloc.close()
-    out = {"decode": [], "prefill": [], "anchors": per_linear(anchor_keys, times[len(calls):])}
+    out = {"decode": [], "prefill": [], "chunked": [],
+           "anchors": per_linear(anchor_keys, times[len(calls):])}
     for (kind, layers, batch, tokens), t in zip(shapes, map(_quartiles, times)):
-        key = "context" if kind == "decode" else "prompt"
-        out[kind].append({"layers": layers, "batch": batch, key: tokens, **t})
+        if kind == "chunked":
+            context, chunk, start = tokens
+            shape = {"context": context, "chunk": chunk, "start": start}
+        else:
+            shape = {"context" if kind == "decode" else "prompt": tokens}
+        out[kind].append({"layers": layers, "batch": batch, **shape, **t})
     return out
 
 
@@ -288,6 +310,23 @@ def _prefill_call(torch, runner, alloc, rng, vocab: int, base: int, batch: int, 
         runner.prefill(prompts).argmax(-1).tolist()
     return step
 
+
+
+def _chunked_call(runner, alloc, rng, vocab: int, cached, chunk_id: int, tokens: int,
+                  decodes: int, context: int, base: int):
+    """One chunked-prefill step: a chunk of `tokens` prompt tokens of request chunk_id after
+    its first cached.shape[3] tokens (their KV `cached`), beside decode steps of requests
+    base .. base + decodes - 1 at position `context`; the chunk is rewritten every call."""
+    start = cached.shape[3]
+    alloc.reserve(chunk_id, start + tokens, 1, 0.0)
+    if start:
+        runner.kv.load(chunk_id, cached)
+    batch = [(base + b, [t], context) for b, t in enumerate(rng.integers(3, vocab, decodes))]
+    batch.append((chunk_id, rng.integers(3, vocab, tokens).tolist(), start))
+
+    def step():
+        runner.forward(batch).argmax(-1).tolist()
+    return step
 
 
 # ------------------------------------------------------------------ the serving loop

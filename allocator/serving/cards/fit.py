@@ -5,6 +5,7 @@ remains, each >= 0.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 
@@ -78,16 +79,19 @@ def fit_overheads(layers, batch, overhead, step) -> dict:
     return {**got, "fitted_s": fitted}
 
 
-def fit_prefill_overheads(layers, prompts, overhead, step) -> dict:
+def fit_prefill_overheads(layers, prompts, overhead, step, chunks=None) -> dict:
     """Fit a prompt step's overhead ~ k + layers x a + layers x prompts x c (seconds,
     fit_relative): per step, per layer, per prompt per layer (the engine attends each whole
-    prompt on its own). The card's prefill_* keys, in microseconds."""
+    prompt on its own); with `chunks` (each step's prompt pieces that start after cached
+    tokens), + layers x chunks x d. The card's prefill_* keys (and chunk_layer_overhead_us),
+    in microseconds."""
     L = np.asarray(layers, dtype=np.float64)
     P = np.asarray(prompts, dtype=np.float64)
-    got, _ = fit_relative({"prefill_step_overhead_us": np.ones_like(L),
-                           "prefill_layer_overhead_us": L,
-                           "prefill_layer_request_overhead_us": L * P},
-                          overhead, step, "prefill overhead")
+    columns = {"prefill_step_overhead_us": np.ones_like(L), "prefill_layer_overhead_us": L,
+               "prefill_layer_request_overhead_us": L * P}
+    if chunks is not None:
+        columns["chunk_layer_overhead_us"] = L * np.asarray(chunks, dtype=np.float64)
+    got, _ = fit_relative(columns, overhead, step, "prefill overhead")
     return {k: v * 1e6 for k, v in got.items()}
 
 
@@ -126,15 +130,20 @@ def predicted_floor(spec, layers: int, batch: int, context: int, dtype: str, tim
     then the attention, each at its roofline) of `spec` at `layers` layers, `batch` requests of
     `context` tokens each in contiguous blocks, with no overheads: what remains of a measured
     step is the overheads."""
+    t = timer(spec, layers, context + 1, dtype, timing, tflops, matmul, engine_gbps)
+    _decoding(t, batch, context)
+    memory, compute, floor = t.decode_terms(batch, 0)
+    return {"memory_s": memory, "compute_s": compute, "floor_s": floor}
+
+
+def _decoding(t, batch: int, context: int) -> None:
+    """Put `batch` requests of `context` tokens each into StepTimer t's running set."""
     from types import SimpleNamespace
 
-    t = timer(spec, layers, context + 1, dtype, timing, tflops, matmul, engine_gbps)
     for _ in range(batch):
         r = SimpleNamespace()
         t.linearize(r, 0, context, None)
         t.add(r, +1)
-    memory, compute, floor = t.decode_terms(batch, 0)
-    return {"memory_s": memory, "compute_s": compute, "floor_s": floor}
 
 
 def predicted_prefill(spec, layers: int, batch: int, prompt: int, dtype: str, timing,
@@ -144,6 +153,18 @@ def predicted_prefill(spec, layers: int, batch: int, prompt: int, dtype: str, ti
     tokens (StepTimer.prefill), with `overheads` (card keys; {}: none)."""
     t = timer(spec, layers, prompt + 1, dtype, timing, tflops, matmul, engine_gbps, overheads)
     return t.prefill([(prompt, 0)] * batch)[0]
+
+
+def predicted_chunked(spec, layers: int, batch: int, context: int, chunk: int, start: int,
+                      dtype: str, timing, tflops: float, matmul: dict,
+                      engine_gbps: dict | None, overheads: dict) -> float:
+    """The simulator's seconds of one chunked-prefill step (StepTimer.mixed_step): `batch`
+    requests of `context` tokens decoding beside a chunk of `chunk` prompt tokens that starts
+    at position `start`, with `overheads` (card keys; {}: none)."""
+    t = timer(spec, layers, max(context, start + chunk) + 1, dtype, timing, tflops, matmul,
+              engine_gbps, overheads)
+    _decoding(t, batch, context)
+    return t.mixed_step(batch, 0, [(start, chunk)], collections.defaultdict(float))
 
 
 def relative_residuals(points, measured: str, fitted: str) -> dict:
@@ -164,10 +185,12 @@ def fit_steps(spec, dtype: str, steps: dict, timing, each: dict, prefill_rows: i
     """The card's overheads fitted on the engine's steps (what the simulator's own memory and
     compute terms leave of each, KV reads at the engine's measured rate, the matrix products
     at the rate of the depth's own mix of them, from `each` product's rates by rows): decode
-    steps' (per step, layer, request, request and layer) and prompt steps' (prefill_*: per
-    step, layer, prompt and layer); each step's fitted time and residual."""
+    steps' (per step, layer, request, request and layer) and the prompt steps' (prefill_*: per
+    step, layer, prompt and layer) on whole-prompt and chunked steps together; each step's
+    fitted time and residual."""
     tables = {layers: set_tflops(each, dataclasses.replace(spec, layers=layers).decode_products)
-              for layers in {q["layers"] for q in (*steps["decode"], *steps["prefill"])}}
+              for layers in {q["layers"] for kind in ("decode", "prefill", "chunked")
+                             for q in steps.get(kind, [])}}
 
     def rates(q):                     # (peak TFLOPS, the table by rows) at q's depth
         return tables[q["layers"]][prefill_rows], tables[q["layers"]]
@@ -182,15 +205,37 @@ def fit_steps(spec, dtype: str, steps: dict, timing, each: dict, prefill_rows: i
         q["fitted_s"] = q["floor_s"] + float(f)
     got.update(relative_residuals(points, "step_s", "fitted_s"))
     over = card_overheads(got)
-    prompts = steps["prefill"]
+    # steps with prompt tokens in them, whole prompts alone and chunks beside decodes, share
+    # the prefill_* terms (the simulator runs a chunked step as a prefill), and a chunk after
+    # cached tokens pays chunk_layer_overhead_us besides; a chunked step's decodes pay the
+    # decode fit's per-request terms, known by now
+    prompts, chunked = steps["prefill"], steps.get("chunked", [])
+
+    def prefill_s(q, overheads):
+        return predicted_prefill(spec, q["layers"], q["batch"], q["prompt"], dtype, timing,
+                                 *rates(q), reads, overheads)
+
+    def chunked_s(q, overheads):
+        return predicted_chunked(spec, q["layers"], q["batch"], q["context"], q["chunk"],
+                                 q["start"], dtype, timing, *rates(q), reads, overheads)
     for q in prompts:
-        q["floor_s"] = predicted_prefill(spec, q["layers"], q["batch"], q["prompt"], dtype,
-                                         timing, *rates(q), reads, {})
+        q["floor_s"] = prefill_s(q, {})
+    for q in chunked:
+        q["floor_s"] = chunked_s(q, {})
+    decodes = [q["batch"] * (got["request_s"] + q["layers"] * got["layer_request_s"])
+               for q in chunked]
+    with_prompts = prompts + chunked
     over.update(fit_prefill_overheads(
-        [q["layers"] for q in prompts], [q["batch"] for q in prompts],
-        [q["step_s"] - q["floor_s"] for q in prompts], [q["step_s"] for q in prompts]))
+        [q["layers"] for q in with_prompts], [q["batch"] for q in prompts] + [1] * len(chunked),
+        [q["step_s"] - q["floor_s"] for q in prompts]
+        + [q["step_s"] - q["floor_s"] - d for q, d in zip(chunked, decodes)],
+        [q["step_s"] for q in with_prompts],
+        [0] * len(prompts) + [int(q["start"] > 0) for q in chunked]
+        if any(q["start"] for q in chunked) else None))
     for q in prompts:
-        q["fitted_s"] = predicted_prefill(spec, q["layers"], q["batch"], q["prompt"], dtype,
-                                          timing, *rates(q), reads, over)
+        q["fitted_s"] = prefill_s(q, over)
+    for q in chunked:
+        q["fitted_s"] = chunked_s(q, over)
     got["prefill"] = relative_residuals(prompts, "step_s", "fitted_s")
+    got["chunked"] = relative_residuals(chunked, "step_s", "fitted_s")
     return {"fit": got, "card": over}

@@ -52,6 +52,11 @@ class Effort:
     # ones: with 4 x 128 the only step of several prompts, the cost a prompt adds to a layer
     # came out at 0, 175 and 2,152 us in three calibrations of Qwen2.5-0.5B on one 2-core CPU
     prefill_shapes: tuple
+    # chunked-prefill steps: (decodes, their context, chunk tokens, the chunk's first
+    # position), the decodes those of the decode steps at that context (one of fit_contexts);
+    # a chunk at 0 is a prompt's first, attended as a whole prompt, a later one reads the
+    # prompt's cached tokens over the run tables
+    chunk_shapes: tuple
     fit_warmup: int
     fit_reps: int
     read_run_tokens: tuple             # the engine attention's reads: runs (pages) of these
@@ -64,7 +69,9 @@ FULL = Effort(run_sizes=(64, 256, 1024, 4096, 16384, 65536, 262144, 1 << 20, 4 <
               decode_rows=tuple(range(1, 33)) + (48, 64, 96, 128),
               matmul_reps=7, matmul_seconds=0.03, fit_layers=(2, None),
               fit_batches=(1, 2, 4, 8, 16, 32), fit_contexts=(16, 256, 1024),
-              prefill_shapes=((1, 64), (1, 512), (4, 128), (16, 16)), fit_warmup=5,
+              prefill_shapes=((1, 64), (1, 512), (4, 128), (16, 16)),
+              chunk_shapes=((4, 256, 128, 0), (8, 256, 256, 256), (16, 1024, 64, 512)),
+              fit_warmup=5,
               fit_reps=21,
               read_run_tokens=(1, 4, 16, 64, 256), read_contexts=(512, 2048), read_batch=16)
 # --quick: a quarter of the working set (still far above this machine's 32 MiB L3), fewer
@@ -72,7 +79,8 @@ FULL = Effort(run_sizes=(64, 256, 1024, 4096, 16384, 65536, 262144, 1 << 20, 4 <
 QUICK = Effort(run_sizes=(64, 256, 1024, 4096, 16384, 65536, 262144, 1 << 20),
                buffer_bytes=256 << 20, bandwidth_reps=3, decode_rows=(1, 8, 64),
                matmul_reps=3, matmul_seconds=0.02, fit_layers=(2, 6), fit_batches=(1, 4, 16),
-               fit_contexts=(16, 256), prefill_shapes=((1, 64), (4, 32)), fit_warmup=3,
+               fit_contexts=(16, 256), prefill_shapes=((1, 64), (4, 32)),
+               chunk_shapes=((4, 256, 32, 32),), fit_warmup=3,
                fit_reps=9, read_run_tokens=(1, 16, 64), read_contexts=(128, 512),
                read_batch=8)
 

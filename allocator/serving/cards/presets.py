@@ -223,6 +223,10 @@ class Accelerator:
     prefill_step_overhead_us: float | None = None
     prefill_layer_overhead_us: float | None = None
     prefill_layer_request_overhead_us: float | None = None
+    # per layer, for each prompt piece that starts after tokens already in the KV cache (a
+    # chunk after a prompt's first, a prompt after its cached prefix), beyond the prefill
+    # terms: an engine attends such a piece over the cache, not as a whole prompt of its own
+    chunk_layer_overhead_us: float = 0.0
     # the share of the sequential read rate at which the serving engine's decode streams the
     # weights (its matrix-vector kernels); an engine profile (allocator/serving/profiles) sets it
     weight_read_efficiency: float = 1.0
@@ -285,6 +289,7 @@ CARD_KEYS = {
     "prefill_step_overhead_us": (False, MICROSECONDS),
     "prefill_layer_overhead_us": (False, MICROSECONDS),
     "prefill_layer_request_overhead_us": (False, MICROSECONDS),
+    "chunk_layer_overhead_us": (False, MICROSECONDS),
     "weight_read_efficiency": (False, FRACTION),
     "mfu": (False, FRACTION),
     "matmul_tflops": (False, "table"),

@@ -180,8 +180,8 @@ def card_contents(args, p: dict, effort, m: dict, when: str, measured: str | Non
     bw, mm, peak, tflops_bf16 = m["bw"], m["mm"], m["peak"], m["tflops_bf16"]
     reads, fitting, over, loop = m["reads"], m["fitting"], m["over"], m["loop"]
     busy, points, loaded = m["busy"], m["points"], m["loaded"]
-    decode = mm[dtype]
-    name = args.name or f"calibrated-{dev['spec'].replace(':', '-')}"
+    rms = {kind: fitting[kind]["rms_relative_residual"] for kind in ("prefill", "chunked")}
+    decode, name = mm[dtype], args.name or f"calibrated-{dev['spec'].replace(':', '-')}"
     probe_name = os.path.basename(p["probe"])
     source = (
         f"odma-hw calibrate on {dev['spec']} ({dev['name']}), torch {torch_version}, {when}. "
@@ -202,7 +202,7 @@ def card_contents(args, p: dict, effort, m: dict, when: str, measured: str | Non
         f"request {fitting['request_s'] * 1e6:.4g} us, per request per layer "
         f"{fitting['layer_request_s'] * 1e6:.4g} us; rms relative residual "
         f"{fitting['rms_relative_residual']:.3f}, max {fitting['max_relative_residual']:.3f}; "
-        f"prefill steps then rms {fitting['prefill']['rms_relative_residual']:.3f}. The "
+        f"prefill steps then rms {rms['prefill']:.3f}, chunked {rms['chunked']:.3f}. The "
         f"serving loop adds {loop['step_s'] * 1e6:.4g} us per step and "
         f"{loop['request_s'] * 1e6:.4g} us per request (in the card's step and request "
         f"overheads)"

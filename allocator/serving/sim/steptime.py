@@ -130,6 +130,7 @@ class StepTimer:
             step_us, layer_us, layer_req_us = (v or 0.0 for v in pre)
             self.prefill_seconds = (m.layers * layer_us + step_us) * 1e-6
             self.prefill_req_seconds = m.layers * layer_req_us * 1e-6
+        self.chunk_seconds = m.layers * d.chunk_layer_overhead_us * 1e-6
         self.card_flops = d.peak_tflops(setup.dtype) * 1e12
         # decode FLOPs per step on one card: per request, and per token of context (attention)
         self.flops_per_request = 2.0 * m.streamed_params / tp
@@ -309,6 +310,7 @@ class StepTimer:
         secs = (max((flops - attn) / rate, self.weight_bytes / bw)
                 + max(attn / rate, (nbytes - self.weight_bytes) / bw)
                 + self.prefill_seconds + len(parts) * self.prefill_req_seconds + self.ar_const
+                + sum(c > 0 for _, c in parts) * self.chunk_seconds
                 + computed * self.ar_per_token)
         return secs, flops, nbytes
 
@@ -439,6 +441,7 @@ class StepTimer:
         attention = max(a + sl * step + context * self.bpt / (self.seq_gbps * 1e9),
                         (ctx_flops + chunk_attn) / rate)
         extra = (len(chunks) * self.prefill_req_seconds + computed * self.ar_per_token
+                 + sum(start > 0 for start, _ in chunks) * self.chunk_seconds
                  + self.prefill_seconds - self.layer_seconds)   # the step runs as a prefill
         secs = products + attention + over + extra
         nbytes = self.weight_bytes + ab + sb * step + context * self.bpt
