@@ -4,6 +4,7 @@ name works, every bad card is refused in one line before any work, and `simulate
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import math
@@ -597,8 +598,6 @@ def test_a_prompt_piece_after_cached_tokens_pays_the_chunk_term_per_layer(tmp_pa
     """chunk_layer_overhead_us: per layer, for each piece of a prompt that starts after tokens
     in the cache (a later chunk, a prompt after its cached prefix), in a prefill and in a
     chunked step alike; a prompt's first piece does not pay it."""
-    import collections
-
     base = ideal_card(tmp_path)
     t = IdealTiming(base.bandwidth_gbps)
     plain = StepTimer(ServingSetup(QWEN, base, t, max_model_len=4096), "contiguous")

@@ -224,14 +224,15 @@ def fit_steps(spec, dtype: str, steps: dict, timing, each: dict, prefill_rows: i
         q["floor_s"] = chunked_s(q, {})
     decodes = [q["batch"] * (got["request_s"] + q["layers"] * got["layer_request_s"])
                for q in chunked]
+    after_cache = [int(q["start"] > 0) for q in chunked]
     with_prompts = prompts + chunked
     over.update(fit_prefill_overheads(
         [q["layers"] for q in with_prompts], [q["batch"] for q in prompts] + [1] * len(chunked),
         [q["step_s"] - q["floor_s"] for q in prompts]
         + [q["step_s"] - q["floor_s"] - d for q, d in zip(chunked, decodes)],
         [q["step_s"] for q in with_prompts],
-        [0] * len(prompts) + [int(q["start"] > 0) for q in chunked]
-        if any(q["start"] for q in chunked) else None))
+        # no chunk after cached tokens: no such column (all zeros, nothing to fit it on)
+        [0] * len(prompts) + after_cache if any(after_cache) else None))
     for q in prompts:
         q["fitted_s"] = prefill_s(q, over)
     for q in chunked:
