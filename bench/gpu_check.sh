@@ -97,24 +97,19 @@ E="$EM --fused-layers $FUSED --card $CARD"
 # transformers' continuous batching
 step speed32 150 $E --trace "$R/t32.csv" --max-batch $MB --kv-pool-gb $(gb $POOL) \
   --policy $FIVE,hf --json
-# the same run's odma and paged with transformers' modules in place of the fused layers:
-# the launches a layer costs, side by side on the card
-step speed32_modules 50 $EM --card $CARD --fused-layers off --trace "$R/t32.csv" \
-  --max-batch $MB --kv-pool-gb $(gb $POOL) --policy odma,paged --json
-# and with whole prompts over the run tables (one launch a layer) in place of flash attention
-# per prompt: which the prefill steps should use
-step speed32_prompt_runs 50 $E --prompt-attention runs --trace "$R/t32.csv" --max-batch $MB \
-  --kv-pool-gb $(gb $POOL) --policy odma,paged --json
 # 3. the full run: 256 requests, prompts <= 2048, outputs <= 256, max batch 128, a 4 GB pool
 # (odma first, as on the runs where it trailed static; each row counts the kernels compiled
 # inside its timed run)
 step full256 130 $E --trace "$R/t256.csv" --max-batch $BIGMB --kv-pool-gb $(gb $BIGPOOL) \
   --max-model-len $BIGLEN --policy $FIVE --json
+# the same requests with chunked prefill (simulate predicts it too)
+step speed32_chunked 60 $E --trace "$R/t32.csv" --max-batch $MB --kv-pool-gb $(gb $POOL) \
+  --max-num-batched-tokens 2048 --policy odma,paged --json
 # 4. a card of this device: the native probe of its memory, matmul throughput, the engine's own
 # KV reads and steps (calibrate)
 QUICK=; [ "$SMALL" = 1 ] && QUICK=--quick
 PRESET=$CARD
-step calibrate 150 $OH calibrate --device $DEV --model $MODEL $QUICK --out "$R/card.toml" --json
+step calibrate 240 $OH calibrate --device $DEV --model $MODEL $QUICK --out "$R/card.toml" --json
 [ $rc = 0 ] && CARD="$R/card.toml"
 # 5. simulate's predictions of those runs (the card calibrated here, and the preset)
 S="$OH simulate --model $MODEL --dtype ${DT/bfloat16/bf16}"
@@ -132,33 +127,39 @@ E="$EM --fused-layers $FUSED --card $CARD"   # the runs below with the card cali
 # 6. the model's own check (bf16), every policy
 step check_model 100 $E --trace "$R/check_model.csv" --kv-pool-gb 0.064 --policy $ALL --check \
   --json
-# 7. as time allows: transformers at its best (its own CUDA graphs asked for) on both runs;
-# the decode kernel's KV read rate by layout (beside the probe's sequential read in
-# calibrate's card) and a decode step from its graph, fused and not; chunked prefill; the full
-# run's first two policies the other way round (whatever the first policy measured pays that
-# the warm-up did not: it trailed static by 1.5-1.9x on the first H100 runs)
+# the CUDA tests: the native probe's, the torch device's, and a step on the kernels' path
+# reading back only its tokens (a read there would stall the device and break its graph)
+READS=tests/test_runner.py::test_a_step_on_the_kernels_path_reads_back_only_its_tokens
+step pytest_gpu 60 $PY -m pytest -q -p no:cacheprovider -rs tests/test_cuda.py \
+  tests/test_torch_device.py $READS
+# 7. as time allows: the 32-request run's odma and paged with transformers' modules in place
+# of the fused layers: the launches a layer costs, side by side on the card
+step speed32_modules 50 $EM --card $CARD --fused-layers off --trace "$R/t32.csv" \
+  --max-batch $MB --kv-pool-gb $(gb $POOL) --policy odma,paged --json
+# and with whole prompts over the run tables (one launch a layer) in place of flash attention
+# per prompt: which the prefill steps should use
+step speed32_prompt_runs 50 $E --prompt-attention runs --trace "$R/t32.csv" --max-batch $MB \
+  --kv-pool-gb $(gb $POOL) --policy odma,paged --json
+# then as time allows: transformers at its best (its own CUDA graphs asked for) on the
+# 32-request run; the full run's first two policies the other way round (whatever the first
+# policy measured pays that the warm-up did not: it trailed static by 1.5-1.9x on the first H100
+# runs); the decode kernel's KV read rate by layout (beside the probe's sequential read in
+# calibrate's card) and a decode step from its graph, fused and not; transformers on the full run
 # (its own flags: the fallback's torch attention above would refuse --cuda-graphs on)
 HFG="$OH engine --device $DEV --cuda-graphs on --model $MODEL --dtype $DT --card $CARD"
 if [ "${HF_GRAPHS:-1}" = 1 ]; then
   step speed32_hf_graphs 40 $HFG --trace "$R/t32.csv" --max-batch $MB --kv-pool-gb $(gb $POOL) \
     --policy hf --json
 fi
+step full256_rev 60 $E --trace "$R/t256.csv" --max-batch $BIGMB --kv-pool-gb $(gb $BIGPOOL) \
+  --max-model-len $BIGLEN --policy static,odma --json
 step kernel_bench 100 $PY -m pytest bench/bench_run_attention.py \
   bench/bench_engine.py::test_cuda_graph_decode_step --benchmark-only -q \
   -p no:cacheprovider --benchmark-json "$R/kernel_bench.json"
-step speed32_chunked 60 $E --trace "$R/t32.csv" --max-batch $MB --kv-pool-gb $(gb $POOL) \
-  --max-num-batched-tokens 2048 --policy odma,paged --json
-step full256_rev 60 $E --trace "$R/t256.csv" --max-batch $BIGMB --kv-pool-gb $(gb $BIGPOOL) \
-  --max-model-len $BIGLEN --policy static,odma --json
 if [ "${HF_GRAPHS:-1}" = 1 ]; then
   step full256_hf 70 $HFG --trace "$R/t256.csv" --max-batch $BIGMB --kv-pool-gb $(gb $BIGPOOL) \
     --max-model-len $BIGLEN --policy hf --json
 fi
-# the CUDA tests: the native probe's, the torch device's, and a step on the kernels' path
-# reading back only its tokens (a read there would stall the device and break its graph)
-READS=tests/test_runner.py::test_a_step_on_the_kernels_path_reads_back_only_its_tokens
-step pytest_gpu 60 $PY -m pytest -q -p no:cacheprovider -rs tests/test_cuda.py \
-  tests/test_torch_device.py $READS
 cp "$R"/card.* "$OUT"/ 2>/dev/null
 $PY bench/gpu_summary.py "$R" | tee "$OUT/summary.txt"
 (cd /tmp && tar czf "$OUT/r.tgz" gpu-r)

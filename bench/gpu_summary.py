@@ -13,7 +13,8 @@ import sys
 from pathlib import Path
 
 # engine run -> the simulate runs predicting it (by card)
-PAIRS = {"speed32": "sim32", "speed32_chunked": "sim32c", "full256": "sim256"}
+PAIRS = {"speed32": "sim32", "speed32_chunked": "sim32c", "full256": "sim256",
+         "full256_rev": "sim256"}
 
 
 def load(path: Path):
@@ -118,7 +119,11 @@ def card(folder: Path) -> list[str]:
             f"{o['request_us']:.2f} us, layer-request {o['layer_request_us']:.3f} us; decode rms "
             f"{o['rms_relative_residual']:.3f} max {o['max_relative_residual']:.3f}; prefill rms "
             f"{o['prefill']['rms_relative_residual']:.3f} max "
-            f"{o['prefill']['max_relative_residual']:.3f}"]
+            f"{o['prefill']['max_relative_residual']:.3f}; chunked rms "
+            f"{o['chunked']['rms_relative_residual']:.3f} max "
+            f"{o['chunked']['max_relative_residual']:.3f}, a chunk after cached tokens "
+            f"{o['card'].get('chunk_layer_overhead_us', 0):.1f} us a layer",
+            f"  calibrated in {doc['seconds']:.0f} s"]
 
 
 def kernel(folder: Path) -> list[str]:
