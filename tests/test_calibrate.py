@@ -177,9 +177,26 @@ def test_the_fitted_overheads_are_nonnegative_and_reproduce_the_steps_they_fit(c
 def test_progress_goes_to_stderr_one_line_per_phase(calibrated):
     _, _, err = calibrated
     lines = err.strip().splitlines()
-    # bandwidth, matmul float32, matmul bfloat16, the engine's reads, steps and loop
-    assert len(lines) >= 6 and all(line.startswith("calibrate torch:cpu: ") for line in lines)
-    assert all("warning" in line for line in lines[6:])
+    # bandwidth, matmul float32 (and the layers' alone at the prompts' rows), matmul bfloat16,
+    # the engine's reads, steps and loop
+    assert len(lines) >= 7 and all(line.startswith("calibrate torch:cpu: ") for line in lines)
+    assert "the layers' shapes at 512 rows (prompts)" in lines[2]
+    assert all("warning" in line for line in lines[7:])
+
+
+def test_a_calibrations_steps_fit_again_from_its_json_as_calibrate_fitted_them(calibrated,
+                                                                              bench):
+    """bench/refit_prompts.py fits a result's measured steps again, priced both ways: with the
+    layers' own table it is calibrate's own fit, to the last digit; the other way only the
+    steps with prompt tokens in them move."""
+    _, result, _ = calibrated
+    got = bench("refit_prompts").refit(result)
+    o, apart, whole = result["overheads"], got["layers apart"], got["whole set"]
+    for kind, fitted in (("decode", o), ("prefill", o["prefill"]), ("chunked", o["chunked"])):
+        assert apart[kind] == pytest.approx({"rms": fitted["rms_relative_residual"],
+                                             "max": fitted["max_relative_residual"]}, rel=1e-9)
+    assert apart["card"] == pytest.approx({k: result["card_values"][k] for k in apart["card"]})
+    assert whole["decode"] == apart["decode"] and whole["prefill"] != apart["prefill"]
 
 
 def test_the_simulator_reads_the_card(calibrated):
@@ -895,19 +912,21 @@ def test_the_overheads_fitted_on_two_depths_are_recovered_with_each_depths_own_m
     over = {"step_overhead_us": k * 1e6, "layer_overhead_us": a * 1e6,
             "request_overhead_us": b * 1e6, "layer_request_overhead_us": c * 1e6, **pre}
     steps["chunked"] = []
+    # the prompts' tokens through the layers at the layers' own rate, the head a row a sequence
+    stack = measure.set_tflops(each, spec.stack_products)
     for layers in (2, 24):
         table = measure.set_tflops(each, dataclasses.replace(spec, layers=layers).decode_products)
         for batch, prompt in ((1, 64), (4, 16)):
             steps["prefill"].append({"layers": layers, "batch": batch, "prompt": prompt,
                                      "step_s": calfit.predicted_prefill(
                                          spec, layers, batch, prompt, "float32", timing,
-                                         table[64], table, None, over)})
+                                         table[64], table, None, over, stack)})
         for batch, chunk, start in ((4, 32, 0), (8, 64, 128)):
             steps["chunked"].append({"layers": layers, "batch": batch, "context": 257,
                                      "chunk": chunk, "start": start,
                                      "step_s": calfit.predicted_chunked(
                                          spec, layers, batch, 257, chunk, start, "float32",
-                                         timing, table[64], table, None, over)})
+                                         timing, table[64], table, None, over, stack)})
     got = calfit.fit_steps(spec, "float32", steps, timing, each, 64, None)
     assert [got["fit"][key] for key in ("step_s", "layer_s", "request_s", "layer_request_s")] \
         == pytest.approx([k, a, b, c], rel=1e-6)
@@ -929,6 +948,8 @@ def test_the_products_speed_among_the_steps_is_the_median_of_the_anchors_ratios(
 
 def test_the_card_holds_the_products_at_the_speed_they_ran_among_the_steps(tmp_path,
                                                                          measured_instantly):
+    from allocator.serving.cards.presets import model_spec
+
     result = calibrate_to(tmp_path / "c.toml")
     mm = result["matmul"]
     assert mm["steps_speed"] == pytest.approx(0.8)
@@ -939,6 +960,14 @@ def test_the_card_holds_the_products_at_the_speed_they_ran_among_the_steps(tmp_p
         pytest.approx({r: 0.8 * 0.01 * math.sqrt(r) for r in (256, *measure.QUICK.decode_rows)})
     for product in mm["tflops_by_product"]["float32"].values():
         assert product["1"] == pytest.approx(0.8 * 0.01)
+    # the layers' products alone, at the prompts' rows besides (the LM head is not timed there)
+    rows = (256, *measure.QUICK.decode_rows, *measure.QUICK.prompt_rows)
+    assert {int(r): v for r, v in card_of(tmp_path / "c.toml")["layer_matmul_tflops"].items()} \
+        == pytest.approx({r: 0.8 * 0.01 * math.sqrt(r) for r in rows}, rel=1e-5)  # 6 digits
+    assert set(mm["layers_tflops"]) == {str(r) for r in rows}
+    spec = model_spec("tiny-llama")
+    head = mm["tflops_by_product"]["float32"][f"{spec.hidden}x{spec.vocab}"]
+    assert "512" not in head and "256" in head
     assert card_of(tmp_path / "c.toml")["tflops_fp32"] == pytest.approx(0.8 * 0.01 * 16)
 
 

@@ -341,6 +341,13 @@ def bad_cards():
          "matmul_tflops"),
         ("matmul-huge-key", dict(base, matmul_tflops={"1" + "0" * 30: 1.0, "8": 1.0}), [],
          "matmul_tflops"),
+        ("layer-matmul-alone", dict(base, layer_matmul_tflops={"1": 1.0, "8": 2.0}), [],
+         "layer_matmul_tflops"),
+        ("layer-matmul-one-row", dict(base, matmul_tflops={"1": 1.0, "8": 2.0},
+                                      layer_matmul_tflops={"8": 2.0}), [], "layer_matmul_tflops"),
+        ("layer-matmul-negative", dict(base, matmul_tflops={"1": 1.0, "8": 2.0},
+                                       layer_matmul_tflops={"1": 1.0, "8": -2.0}), [],
+         "layer_matmul_tflops"),
         ("mfu-tiny", dict(base, mfu=1e-300), [], "mfu"),
         ("huge-overhead", dict(base, layer_overhead_us=1e300), [], "layer_overhead_us"),
         ("huge-integer-channels", dict(base, timing="emu:lpddr5-6400", emu_channels=10 ** 400),
@@ -672,6 +679,53 @@ def test_a_measured_matmul_table_sets_each_steps_compute_by_its_rows(tmp_path):
     plain_timer = StepTimer(ServingSetup(QWEN, ideal_card(tmp_path), IdealTiming(200.0),
                                          max_model_len=4096), "contiguous")
     assert plain_timer.efficiency(1) == plain_timer.efficiency(256) == 0.5     # the MFU
+
+
+def test_a_prompts_tokens_go_through_the_layers_at_their_rate_and_only_its_last_through_the_head(
+        tmp_path):
+    """With the layers' products measured apart (layer_matmul_tflops), a prompt step's tokens
+    run through the layers at their row count's rate and each sequence's last token through
+    the LM head, whose time is the whole set's less the layers' at that row count: a slow head
+    then costs a prompt step one row, where the whole set's rate charged it to every token."""
+    whole = {"1": 0.5, "16": 4.0, "256": 8.0}
+    layers = {"1": 0.6, "16": 5.0, "256": 12.0, "2048": 16.0}
+    card = ideal_card(tmp_path, matmul_tflops=whole, layer_matmul_tflops=layers)
+    assert card.layer_matmul_tflops == ((1, 0.6), (16, 5.0), (256, 12.0), (2048, 16.0))
+    t = StepTimer(ServingSetup(QWEN, card, IdealTiming(card.bandwidth_gbps),
+                               max_model_len=4096), "contiguous")
+    layer_row = t.flops_per_request - t.head_flops
+    assert layer_row == pytest.approx(2.0 * (QWEN.streamed_params - QWEN.vocab * QWEN.hidden))
+
+    def head(rows):      # the whole set's time less the layers', at `rows` rows
+        return rows * (t.flops_per_request / (float(whole[str(rows)]) * 1e12)
+                       - layer_row / (float(layers[str(rows)]) * 1e12))
+    for rows, heads in ((256, 1), (2048, 16), (4096, 1)):
+        got, rate = t.prompt_products(rows, heads, flops=0.0)
+        at = float(layers[str(min(rows, 2048))]) * 1e12       # beyond the table: its end
+        assert rate == pytest.approx(at)
+        assert got == pytest.approx(rows * layer_row / at + head(heads))
+    # a prompt of 256 tokens: the head once, at one row; the old pricing (no layer table) ran
+    # every product of the step at the whole set's 256-row rate
+    without = StepTimer(ServingSetup(QWEN, ideal_card(tmp_path, matmul_tflops=whole),
+                                     IdealTiming(card.bandwidth_gbps), max_model_len=4096),
+                        "contiguous")
+    flops = QWEN.prefill_flops(256) - QWEN.prefill_attention_flops(256)
+    assert without.prompt_products(256, 1, flops)[0] == pytest.approx(flops / 8e12)
+    assert t.prompt_products(256, 1, flops)[0] < 0.75 * flops / 8e12
+    # decode steps are unchanged: every token goes through the layers and the head
+    assert t.decode_terms(16, 0)[1] == pytest.approx(without.decode_terms(16, 0)[1])
+    # a chunked step: its decodes and its chunk through the layers, a row each of them
+    # through the head
+    for _ in range(16):
+        r = SimpleNamespace()
+        t.linearize(r, 0, 100, None)
+        t.add(r, +1)
+    calls = []
+    real = t.prompt_products
+    t.prompt_products = lambda rows, heads, flops: calls.append((rows, heads)) or real(
+        rows, heads, flops)
+    t.mixed_step(16, 0, [(0, 240)], collections.defaultdict(float))
+    assert calls == [(16 + 240, 16 + 1)]
 
 
 def test_a_steps_products_and_attention_each_take_their_own_roofline(tmp_path):

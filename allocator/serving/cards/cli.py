@@ -21,7 +21,9 @@ What it measures, in this order (each phase prints one progress line on stderr):
    (--prefill-tokens rows) and at decode shapes (1 .. 64 rows). The prefill shape's throughput
    is the card's peak at that dtype with mfu = 1 (what the engine's matrix products reach);
    every row count's goes into the card's matmul_tflops table, by which the simulator costs
-   each step's compute. Every (shape, rows) is timed once a round, in turns (measure.py,
+   each step's compute. The layers' shapes alone are timed at more rows besides (512 .. 2,048:
+   a prompt's tokens; the LM head takes only each sequence's last) and make the card's
+   layer_matmul_tflops. Every (shape, rows) is timed once a round, in turns (measure.py,
    linear_seconds).
    On CUDA each timed batch of products is a CUDA graph replay (measure.py,
    graphed), as the engine's decode steps are: eagerly a small product's launch outlasts it.
@@ -105,7 +107,8 @@ def check(args) -> dict:
     # before any of its weights exists
     rows = (args.prefill_tokens, *FULL.decode_rows)
     check_memory({f"{args.model}'s matmul measurement":
-                  matmul_bytes(spec.decode_products, rows, DTYPES[dtype])},
+                  max(matmul_bytes(spec.decode_products, rows, DTYPES[dtype]),
+                      matmul_bytes(spec.stack_products, FULL.prompt_rows, DTYPES[dtype]))},
                  dev["free_bytes"], dev["spec"])
     return {"card": card, "probe": probe, "device": dev, "dtype": dtype, "config": config,
             "spec": spec, "products": spec.decode_products, "layers": spec.layers,
@@ -243,6 +246,7 @@ def _measure_engine(args, p: dict, effort, torch, show, bw: dict, other: dict) -
     each = {d: {shape: {r: v * speed for r, v in t.items()} for shape, t in e.items()}
             for d, e in each.items()}
     mm = {d: set_tflops(e, p["products"]) for d, e in each.items()}
+    mm_stack = set_tflops(each[dtype], p["spec"].stack_products)
     peak = mm[dtype][args.prefill_tokens]
     tflops_bf16 = mm["bfloat16"][args.prefill_tokens]
     fitted = fit.fit_steps(p["spec"], dtype, steps, timing, each[dtype], args.prefill_tokens,
@@ -259,7 +263,8 @@ def _measure_engine(args, p: dict, effort, torch, show, bw: dict, other: dict) -
     over["request_overhead_us"] += loop["request_s"] * 1e6
     points = steps["decode"]
     busy, loaded = _disturbances(dev, points, other, show)
-    return {"bw": bw, "timing": timing, "mm": mm, "each": each, "peak": peak, "speed": speed,
+    return {"bw": bw, "timing": timing, "mm": mm, "mm_stack": mm_stack, "each": each,
+            "peak": peak, "speed": speed,
             "tflops_bf16": tflops_bf16, "reads": reads, "steps": steps, "fitting": fitting,
             "over": over, "loop": loop, "other": other, "points": points, "busy": busy,
             "loaded": loaded}
@@ -285,6 +290,13 @@ def _measure_matmul(args, p: dict, effort, torch, show) -> tuple[dict, float | N
     load = OtherLoad()
     each = {dtype: matmul_tflops(torch, dev["device"], getattr(torch, dtype), rows, products,
                                  effort, args.seed)[1]}
+    if effort.prompt_rows:
+        show(f"calibrate {dev['spec']}: matmul {dtype}, the layers' shapes at "
+             f"{', '.join(map(str, effort.prompt_rows))} rows (prompts)")
+        more = matmul_tflops(torch, dev["device"], getattr(torch, dtype), effort.prompt_rows,
+                             p["spec"].stack_products, effort, args.seed)[1]
+        for shape, by_rows in more.items():
+            each[dtype][shape].update(by_rows)
     if dtype != "bfloat16":
         # a card needs its bf16 peak whatever the engine runs
         show(f"calibrate {dev['spec']}: matmul bfloat16 at {args.prefill_tokens} rows")
@@ -330,6 +342,7 @@ def _result(args, p: dict, effort, m: dict, values: dict, load_before, started: 
                    "prefill_rows": args.prefill_tokens,
                    "steps_speed": m["speed"], "steps_speed_rows": list(anchor_rows(args, effort)),
                    "tflops": {d: {str(r): v for r, v in t.items()} for d, t in mm.items()},
+                   "layers_tflops": {str(r): v for r, v in m["mm_stack"].items()},
                    "tflops_by_product": {d: {f"{k}x{n}": {str(r): v for r, v in t.items()}
                                              for (k, n), t in e.items()}
                                          for d, e in each.items()}},

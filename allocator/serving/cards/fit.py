@@ -105,10 +105,11 @@ def card_overheads(fit: dict) -> dict:
 
 
 def timer(spec, layers: int, max_len: int, dtype: str, timing, tflops: float, matmul: dict,
-          engine_gbps: dict | None, overheads: dict | None = None):
+          engine_gbps: dict | None, overheads: dict | None = None,
+          layer_matmul: dict | None = None):
     """The simulator's StepTimer for `spec` cut to `layers` layers on a card of the figures
-    just measured (`tflops` at the engine's `dtype`, the matmul table by rows, the engine's
-    run-read table), with `overheads` (card keys; none: all 0)."""
+    just measured (`tflops` at the engine's `dtype`, the matmul table by rows and the layers'
+    alone, the engine's run-read table), with `overheads` (card keys; none: all 0)."""
     from allocator.serving.cards.presets import Accelerator
     from allocator.serving.sim.replica import ServingSetup
     from allocator.serving.sim.steptime import StepTimer
@@ -117,6 +118,8 @@ def timer(spec, layers: int, max_len: int, dtype: str, timing, tflops: float, ma
     over = {"layer_overhead_us": 0.0, "request_overhead_us": 0.0, **(overheads or {})}
     card = Accelerator("calibrating", timing.seq_gbps, 1e3, tflops, "ideal", 1.0, 0.0,
                        tflops_fp32=tflops, mfu=1.0, matmul_tflops=tuple(sorted(matmul.items())),
+                       layer_matmul_tflops=tuple(sorted(layer_matmul.items())) if layer_matmul
+                       else None,
                        engine_run_gbps=tuple(sorted(engine_gbps.items())) if engine_gbps
                        else None, **over)
     setup = ServingSetup(dataclasses.replace(spec, layers=layers), card, timing, dtype=sim_dtype,
@@ -148,21 +151,23 @@ def _decoding(t, batch: int, context: int) -> None:
 
 def predicted_prefill(spec, layers: int, batch: int, prompt: int, dtype: str, timing,
                       tflops: float, matmul: dict, engine_gbps: dict | None,
-                      overheads: dict) -> float:
+                      overheads: dict, layer_matmul: dict | None = None) -> float:
     """The simulator's seconds of one whole-prompt prefill step of `batch` prompts of `prompt`
     tokens (StepTimer.prefill), with `overheads` (card keys; {}: none)."""
-    t = timer(spec, layers, prompt + 1, dtype, timing, tflops, matmul, engine_gbps, overheads)
+    t = timer(spec, layers, prompt + 1, dtype, timing, tflops, matmul, engine_gbps, overheads,
+              layer_matmul)
     return t.prefill([(prompt, 0)] * batch)[0]
 
 
 def predicted_chunked(spec, layers: int, batch: int, context: int, chunk: int, start: int,
                       dtype: str, timing, tflops: float, matmul: dict,
-                      engine_gbps: dict | None, overheads: dict) -> float:
+                      engine_gbps: dict | None, overheads: dict,
+                      layer_matmul: dict | None = None) -> float:
     """The simulator's seconds of one chunked-prefill step (StepTimer.mixed_step): `batch`
     requests of `context` tokens decoding beside a chunk of `chunk` prompt tokens that starts
     at position `start`, with `overheads` (card keys; {}: none)."""
     t = timer(spec, layers, max(context, start + chunk) + 1, dtype, timing, tflops, matmul,
-              engine_gbps, overheads)
+              engine_gbps, overheads, layer_matmul)
     _decoding(t, batch, context)
     return t.mixed_step(batch, 0, [(start, chunk)], collections.defaultdict(float))
 
@@ -181,13 +186,14 @@ def relative_residuals(points, measured: str, fitted: str) -> dict:
 
 
 def fit_steps(spec, dtype: str, steps: dict, timing, each: dict, prefill_rows: int,
-              reads: dict) -> dict:
+              reads: dict, layers_apart: bool = True) -> dict:
     """The card's overheads fitted on the engine's steps (what the simulator's own memory and
     compute terms leave of each, KV reads at the engine's measured rate, the matrix products
     at the rate of the depth's own mix of them, from `each` product's rates by rows): decode
     steps' (per step, layer, request, request and layer) and the prompt steps' (prefill_*: per
     step, layer, prompt and layer) on whole-prompt and chunked steps together; each step's
-    fitted time and residual."""
+    fitted time and residual. layers_apart=False prices a prompt step's products at the whole
+    set's rate, as a card without layer_matmul_tflops does."""
     tables = {layers: set_tflops(each, dataclasses.replace(spec, layers=layers).decode_products)
               for layers in {q["layers"] for kind in ("decode", "prefill", "chunked")
                              for q in steps.get(kind, [])}}
@@ -211,13 +217,17 @@ def fit_steps(spec, dtype: str, steps: dict, timing, each: dict, prefill_rows: i
     # decode fit's per-request terms, known by now
     prompts, chunked = steps["prefill"], steps.get("chunked", [])
 
+    # prompt tokens go through the layers at the layers' own rate, each sequence's last
+    # through the LM head too
+    stack = set_tflops(each, spec.stack_products) if layers_apart else None
+
     def prefill_s(q, overheads):
         return predicted_prefill(spec, q["layers"], q["batch"], q["prompt"], dtype, timing,
-                                 *rates(q), reads, overheads)
+                                 *rates(q), reads, overheads, stack)
 
     def chunked_s(q, overheads):
         return predicted_chunked(spec, q["layers"], q["batch"], q["context"], q["chunk"],
-                                 q["start"], dtype, timing, *rates(q), reads, overheads)
+                                 q["start"], dtype, timing, *rates(q), reads, overheads, stack)
     for q in prompts:
         q["floor_s"] = prefill_s(q, {})
     for q in chunked:

@@ -37,6 +37,10 @@ class Effort:
     # kernels (on a 2-core Xeon, torch's float32 products at 15 rows took 1.3x as long as at 16:
     # a table interpolated between 12 and 16 priced a batch of 15 a quarter too cheap)
     decode_rows: tuple
+    # more rows, the layers' products alone (a prompt's tokens; the LM head takes only each
+    # sequence's last): Qwen2.5-0.5B's layers ran 5-10 % faster at 512 rows than at 256 on a
+    # 2-core EPYC, and a GPU's small products gain far more up to a few thousand rows
+    prompt_rows: tuple
     matmul_reps: int
     matmul_seconds: float              # least time of one timed batch of matmul calls
     # depths of --model the engine's steps are timed at; None: the model's own (at least
@@ -67,7 +71,8 @@ class Effort:
 FULL = Effort(run_sizes=(64, 256, 1024, 4096, 16384, 65536, 262144, 1 << 20, 4 << 20),
               buffer_bytes=None, bandwidth_reps=7,
               decode_rows=tuple(range(1, 33)) + (48, 64, 96, 128),
-              matmul_reps=7, matmul_seconds=0.03, fit_layers=(2, None),
+              prompt_rows=(512, 1024, 2048), matmul_reps=7, matmul_seconds=0.03,
+              fit_layers=(2, None),
               fit_batches=(1, 2, 4, 8, 16, 32), fit_contexts=(16, 256, 1024),
               prefill_shapes=((1, 64), (1, 512), (4, 128), (16, 16)),
               chunk_shapes=((4, 256, 128, 0), (8, 256, 256, 256), (16, 1024, 64, 512)),
@@ -78,6 +83,7 @@ FULL = Effort(run_sizes=(64, 256, 1024, 4096, 16384, 65536, 262144, 1 << 20, 4 <
 # repetitions and shapes; for tests, where fit quality matters and absolute figures do not
 QUICK = Effort(run_sizes=(64, 256, 1024, 4096, 16384, 65536, 262144, 1 << 20),
                buffer_bytes=256 << 20, bandwidth_reps=3, decode_rows=(1, 8, 64),
+               prompt_rows=(512,),
                matmul_reps=3, matmul_seconds=0.02, fit_layers=(2, 6), fit_batches=(1, 4, 16),
                fit_contexts=(16, 256), prefill_shapes=((1, 64), (4, 32)),
                chunk_shapes=((4, 256, 32, 32),), fit_warmup=3,
@@ -311,10 +317,10 @@ def matmul_tflops(torch, device, dtype, rows_list, products: dict, effort: Effor
 
 def set_tflops(each: dict, products: dict) -> dict:
     """{rows: TFLOPS} of the set `products` ({(k, n): how many}) from each product's own rates
-    ({(k, n): {rows: TFLOPS}}, every row count of the first): all the set's FLOPs over the time
-    its products take together. The mix decides it: Qwen2.5-0.5B cut to 2 layers spends most of
-    its step in the LM head, at 24 layers most in the layers' products."""
-    rows_list = next(iter(each.values()))
+    ({(k, n): {rows: TFLOPS}}), at every row count all of them have: all the set's FLOPs over
+    the time its products take together. The mix decides it: Qwen2.5-0.5B cut to 2 layers
+    spends most of its step in the LM head, at 24 layers most in the layers' products."""
+    rows_list = sorted(set.intersection(*(set(each[shape]) for shape in products)))
     return {r: sum(2.0 * r * k * n * c for (k, n), c in products.items())
             / sum(2.0 * r * k * n * c / each[(k, n)][r] for (k, n), c in products.items())
             for r in rows_list}

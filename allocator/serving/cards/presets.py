@@ -69,10 +69,16 @@ class ModelSpec:
                 (self.hidden, self.ffn), (self.hidden, self.ffn), (self.ffn, self.hidden))
 
     @property
+    def stack_products(self) -> dict:
+        """{(in, out): how many}: every layer's matrix products, which all of a step's tokens go
+        through (only each sequence's last token goes on through the LM head)."""
+        return dict(collections.Counter(self.layer_products * self.layers))
+
+    @property
     def decode_products(self) -> dict:
         """{(in, out): how many}: the matrix products of a decode step, every layer's and the LM
         head's, each over the step's rows (the products its streamed weights go through)."""
-        count = collections.Counter(self.layer_products * self.layers)
+        count = collections.Counter(self.stack_products)
         count[(self.hidden, self.vocab)] += 1
         return dict(count)
 
@@ -234,6 +240,11 @@ class Accelerator:
     # measured matrix-product throughput by rows (tokens) in the product, ((rows, TFLOPS), ...):
     # where given, a step's compute runs at its row count's throughput instead of peak x mfu
     matmul_tflops: tuple | None = None
+    # the same of the layers' products alone, ((rows, TFLOPS), ...): where given with
+    # matmul_tflops, a prompt step's tokens go through the layers at their row count's rate and
+    # only its sequences' last tokens through the LM head (the head's time the whole set's less
+    # the layers'), as an engine computes logits where it samples
+    layer_matmul_tflops: tuple | None = None
     # the serving engine's own read rate of KV runs by run bytes, ((bytes, GB/s), ...), as its
     # attention kernel reads them (calibrate measures it): where given, a step's KV reads cost
     # this instead of the memory's rate from `timing`, which still sizes extents and weights
@@ -293,6 +304,7 @@ CARD_KEYS = {
     "weight_read_efficiency": (False, FRACTION),
     "mfu": (False, FRACTION),
     "matmul_tflops": (False, "table"),
+    "layer_matmul_tflops": (False, "table"),
     "engine_run_gbps": (False, "rate table"),
     "device_name": (False, "text"),
     "dtype": (False, "dtype"),
@@ -415,6 +427,10 @@ def card_fields(path, data) -> dict:
     """The Accelerator fields of a card's parsed document `data`, every key checked, the timing
     source as written; BadArgument in one line naming the file `path` and the key."""
     check_keys(f"card {path}", data, CARD_KEYS, "a card")
+    if "layer_matmul_tflops" in data and "matmul_tflops" not in data:
+        # the LM head's time is the whole set's less the layers': nothing to take it from
+        raise BadArgument(f"card {path}: 'layer_matmul_tflops' needs 'matmul_tflops' (the "
+                          f"layers' and the LM head's products together) beside it")
     return {k: _card_value(path, k, v) for k, v in data.items()}
 
 

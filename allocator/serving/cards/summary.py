@@ -31,6 +31,10 @@ def format_summary(r: dict) -> str:
     for dtype, t in mm["tflops"].items():
         parts = [f"{rows} rows {x:.4g}" for rows, x in t.items()]
         lines.append(f"matmul {dtype} ({shapes}): " + ", ".join(parts) + " TFLOPS")
+    if mm.get("layers_tflops"):
+        lines.append(f"matmul {r['dtype']}, the layers' shapes alone (a prompt's tokens): "
+                     + ", ".join(f"{rows} rows {x:.4g}" for rows, x in mm["layers_tflops"].items())
+                     + " TFLOPS")
     lines.append(f"the products ran {mm['steps_speed']:.3g}x as fast among the engine's steps "
                  f"(at {', '.join(map(str, mm['steps_speed_rows']))} rows) as in their own "
                  f"phase: the figures above are scaled by it")

@@ -170,20 +170,16 @@ def byte_text(n: int) -> str:
     return f"{n} B"
 
 
-def card_contents(args, p: dict, effort, m: dict, when: str, measured: str | None,
-                  torch_version: str) -> tuple[dict, dict, list[str]]:
-    """(values, comments by key, header lines) of the card a calibration writes: `args` its
-    parsed arguments (name, model, prefill_tokens, quick), `p` calibrate.check()'s plan, `m`
-    its measurements, `when` the time it ran, `measured` the name of the device its probe file
-    measured (None where unknown)."""
+def card_source(args, p: dict, effort, m: dict, when: str, torch_version: str) -> str:
+    """The card's `source` line: what calibrate measured, how, and the fit's figures."""
     dev, dtype = p["device"], p["dtype"]
     bw, mm, peak, tflops_bf16 = m["bw"], m["mm"], m["peak"], m["tflops_bf16"]
-    reads, fitting, over, loop = m["reads"], m["fitting"], m["over"], m["loop"]
+    reads, fitting, loop = m["reads"], m["fitting"], m["loop"]
     busy, points, loaded = m["busy"], m["points"], m["loaded"]
     rms = {kind: fitting[kind]["rms_relative_residual"] for kind in ("prefill", "chunked")}
-    decode, name = mm[dtype], args.name or f"calibrated-{dev['spec'].replace(':', '-')}"
+    decode, stack = mm[dtype], m["mm_stack"]
     probe_name = os.path.basename(p["probe"])
-    source = (
+    return (
         f"odma-hw calibrate on {dev['spec']} ({dev['name']}), torch {torch_version}, {when}. "
         f"Bandwidth (memory: {bw['source']}): reads of random runs, sequential read and copy "
         f"({probe_name}). Matmul {dtype} over {args.model}'s layer and LM-head shapes, each "
@@ -191,6 +187,8 @@ def card_contents(args, p: dict, effort, m: dict, when: str, measured: str | Non
         f"{peak:.4g} TFLOPS (mfu 1: the engine's matrix products reach this)"
         + (f"; bfloat16 {tflops_bf16:.4g}" if dtype != "bfloat16" else "")
         + "; at decode rows " + ", ".join(f"{r}: {decode[r]:.3g}" for r in effort.decode_rows)
+        + ("; the layers' alone (prompts) at rows " + ", ".join(
+            f"{r}: {stack[r]:.3g}" for r in effort.prompt_rows) if effort.prompt_rows else "")
         + f" TFLOPS (x{m['speed']:.3g}: as fast as the products ran among the engine's steps "
         f"against their own phase). The engine's KV reads ({reads['backend']} attention) by run: "
         + ", ".join(f"{byte_text(b)} {g:.4g}" for b, g in reads["gbps"].items())
@@ -211,12 +209,27 @@ def card_contents(args, p: dict, effort, m: dict, when: str, measured: str | Non
         + (" (WARNING: other processes ran during " + ", ".join(loaded) + ")" if loaded else "")
         + ". link_gbps and link_latency_us are placeholders, not measured."
         + (" (--quick: fewer repetitions)" if args.quick else ""))
+
+
+def card_contents(args, p: dict, effort, m: dict, when: str, measured: str | None,
+                  torch_version: str) -> tuple[dict, dict, list[str]]:
+    """(values, comments by key, header lines) of the card a calibration writes: `args` its
+    parsed arguments (name, model, prefill_tokens, quick), `p` calibrate.check()'s plan, `m`
+    its measurements, `when` the time it ran, `measured` the name of the device its probe file
+    measured (None where unknown)."""
+    dev, dtype = p["device"], p["dtype"]
+    bw, mm, peak, tflops_bf16 = m["bw"], m["mm"], m["peak"], m["tflops_bf16"]
+    reads, over = m["reads"], m["over"]
+    name = args.name or f"calibrated-{dev['spec'].replace(':', '-')}"
+    probe_name = os.path.basename(p["probe"])
+    source = card_source(args, p, effort, m, when, torch_version)
     values = {"name": name, "bandwidth_gbps": float(bw["seq_gbps"]),
               "capacity_gb": dev["capacity_bytes"] / 1e9, "tflops_bf16": tflops_bf16}
     if dtype == "float32":
         values["tflops_fp32"] = peak
     values.update({"mfu": 1.0,
                    "matmul_tflops": {r: mm[dtype][r] for r in sorted(mm[dtype])},
+                   "layer_matmul_tflops": dict(sorted(m["mm_stack"].items())),
                    "timing": f"probe:{probe_name}",
                    **({"engine_run_gbps": dict(reads["gbps"])} if reads["gbps"] else {}),
                    "link_gbps": LINK_GBPS_PLACEHOLDER,
@@ -233,6 +246,9 @@ def card_contents(args, p: dict, effort, m: dict, when: str, measured: str | Non
         "matmul_tflops": [f"{dtype} matmul throughput by rows (tokens) in the products, TFLOPS, "
                           f"over {args.model}'s", "shapes, each as often as a step runs it: a "
                           "step's compute runs at its row count's"],
+        "layer_matmul_tflops": ["the same of the layers' products alone, TFLOPS: a prompt's "
+                                "tokens go through", "the layers at their row count's, only "
+                                "each sequence's last through the LM head"],
         "timing": [f"the memory's run-read bandwidth by run size, measured with the card "
                    f"({bw['source']})"],
         "engine_run_gbps": [f"the engine's own KV reads ({reads['backend']} attention, "

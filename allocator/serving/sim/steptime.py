@@ -135,10 +135,12 @@ class StepTimer:
         # decode FLOPs per step on one card: per request, and per token of context (attention)
         self.flops_per_request = 2.0 * m.streamed_params / tp
         self.flops_per_ctx = 4.0 * m.layers * m.heads * m.head_dim / tp
-        table = d.matmul_tflops
-        self._efficiency = None if not table else (
-            np.log2([r for r, _ in table]),
-            np.array([t * 1e12 for _, t in table]) / self.card_flops)
+        # the card's matmul tables: (log2 rows, share of the card's peak)
+        self._efficiency, self._layer_efficiency = (
+            None if not t else (np.log2([r for r, _ in t]),
+                                np.array([v * 1e12 for _, v in t]) / self.card_flops)
+            for t in (d.matmul_tflops, d.layer_matmul_tflops))
+        self.head_flops = 2.0 * m.vocab * m.hidden / tp     # the LM head's, per row
         self.per_token = self.runs_per_unit * self.run_unit_bytes   # KV bytes per context token
         # GB/s of the KV's runs by their size, as the engine reads them where the card says
         self.kv_gbps = (rate_table(d.engine_run_gbps) if d.engine_run_gbps
@@ -303,11 +305,11 @@ class StepTimer:
         attn = sum(s.model.prefill_attention_flops(h - c, cached=c) for h, c in parts) / s.tp
         computed = sum(h - c for h, c in parts)
         nbytes = self.weight_bytes + sum(h for h, _ in parts) * self.bpt
-        rate = self.card_flops * self.efficiency(computed)
+        products, rate = self.prompt_products(computed, len(parts), flops - attn)
         bw = self.seq_gbps * 1e9
         # the products, then the attention, each at its roofline; an engine that runs
         # attention request by request pays that per prompt too
-        secs = (max((flops - attn) / rate, self.weight_bytes / bw)
+        secs = (max(products, self.weight_bytes / bw)
                 + max(attn / rate, (nbytes - self.weight_bytes) / bw)
                 + self.prefill_seconds + len(parts) * self.prefill_req_seconds + self.ar_const
                 + sum(c > 0 for _, c in parts) * self.chunk_seconds
@@ -329,15 +331,33 @@ class StepTimer:
         return self.layer_seconds + nb * (self.req_seconds + self.layer_req_seconds
                                           + extra_per_request)
 
-    def efficiency(self, rows: int) -> float:
+    def efficiency(self, rows: int, layers: bool = False) -> float:
         """The share of the card's peak FLOPS a step's matrix products reach with `rows` rows
         (tokens): the card's measured throughput at that row count (interpolated in log rows,
         the nearest end beyond its table) where the card has one, else the MFU. A CPU reaches
-        a few percent of its 256-row throughput at one row; a GPU's decode is memory-bound."""
-        if self._efficiency is None:
+        a few percent of its 256-row throughput at one row; a GPU's decode is memory-bound.
+        layers: of the layers' products alone (the card's layer_matmul_tflops)."""
+        table = self._layer_efficiency if layers else self._efficiency
+        if table is None:
             return self.s.mfu
-        x, y = self._efficiency
-        return float(np.interp(math.log2(max(rows, 1)), x, y))
+        return float(np.interp(math.log2(max(rows, 1)), *table))
+
+    def prompt_products(self, rows: int, heads: int, flops: float) -> tuple[float, float]:
+        """(seconds of the matrix products, the rate its attention's FLOPs run at) of a step
+        with prompt tokens in it: `rows` tokens through the layers, `heads` of them (each
+        sequence's last) through the LM head, `flops` all the products' FLOPs. Where the card
+        measured its layers' products apart, each part at its own row count: the head's time
+        is the whole set's at `heads` rows less the layers' there (at least its FLOPs at the
+        card's peak); else all of them at the whole set's rate at `rows`."""
+        if self._layer_efficiency is None:
+            rate = self.card_flops * self.efficiency(rows)
+            return flops / rate, rate
+        layer_row = self.flops_per_request - self.head_flops
+        rate = self.card_flops * self.efficiency(rows, layers=True)
+        head = max(heads * self.head_flops / self.card_flops,
+                   heads * (self.flops_per_request / self.efficiency(heads)
+                            - layer_row / self.efficiency(heads, layers=True)) / self.card_flops)
+        return rows * layer_row / rate + head, rate
 
     def _decode_lines(self, nb: int):
         """(overheads, m0, m1, f0, f1, products) of a decode step of the nb running requests at
@@ -432,11 +452,13 @@ class StepTimer:
         chunk_attn = sum(s.model.prefill_attention_flops(k, cached=start)
                          for start, k in chunks) / s.tp
         lines = over, m0, m1, f0, f1, _ = self._decode_lines(nb)
-        rate = self.card_flops * self.efficiency(nb + computed)
-        # every token of the step, decodes and chunks, goes through one matrix product; then
-        # the attention reads the decodes' KV and the chunks' context, or computes
-        products = max(self.w_seconds,
-                       (nb * self.flops_per_request + chunk_flops - chunk_attn) / rate)
+        # every token of the step, decodes and chunks, goes through one matrix product, each
+        # sequence's last through the LM head; then the attention reads the decodes' KV and
+        # the chunks' context, or computes
+        products, rate = self.prompt_products(nb + computed, nb + len(chunks),
+                                              nb * self.flops_per_request + chunk_flops
+                                              - chunk_attn)
+        products = max(self.w_seconds, products)
         ctx_flops = self.flops_per_ctx * (ab + sb * step) / self.per_token
         attention = max(a + sl * step + context * self.bpt / (self.seq_gbps * 1e9),
                         (ctx_flops + chunk_attn) / rate)
