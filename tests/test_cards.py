@@ -693,14 +693,14 @@ def test_a_prompts_tokens_go_through_the_layers_at_their_rate_and_only_its_last_
     assert card.layer_matmul_tflops == ((1, 0.6), (16, 5.0), (256, 12.0), (2048, 16.0))
     t = StepTimer(ServingSetup(QWEN, card, IdealTiming(card.bandwidth_gbps),
                                max_model_len=4096), "contiguous")
-    layer_row = t.flops_per_request - t.head_flops
+    layer_row = t.layer_flops
     assert layer_row == pytest.approx(2.0 * (QWEN.streamed_params - QWEN.vocab * QWEN.hidden))
 
     def head(rows):      # the whole set's time less the layers', at `rows` rows
         return rows * (t.flops_per_request / (float(whole[str(rows)]) * 1e12)
                        - layer_row / (float(layers[str(rows)]) * 1e12))
     for rows, heads in ((256, 1), (2048, 16), (4096, 1)):
-        got, rate = t.prompt_products(rows, heads, flops=0.0)
+        got, rate = t.prompt_products(rows, heads)
         at = float(layers[str(min(rows, 2048))]) * 1e12       # beyond the table: its end
         assert rate == pytest.approx(at)
         assert got == pytest.approx(rows * layer_row / at + head(heads))
@@ -710,8 +710,8 @@ def test_a_prompts_tokens_go_through_the_layers_at_their_rate_and_only_its_last_
                                      IdealTiming(card.bandwidth_gbps), max_model_len=4096),
                         "contiguous")
     flops = QWEN.prefill_flops(256) - QWEN.prefill_attention_flops(256)
-    assert without.prompt_products(256, 1, flops)[0] == pytest.approx(flops / 8e12)
-    assert t.prompt_products(256, 1, flops)[0] < 0.75 * flops / 8e12
+    assert without.prompt_products(256, 1)[0] == pytest.approx(flops / 8e12)
+    assert t.prompt_products(256, 1)[0] < 0.75 * flops / 8e12
     # decode steps are unchanged: every token goes through the layers and the head
     assert t.decode_terms(16, 0)[1] == pytest.approx(without.decode_terms(16, 0)[1])
     # a chunked step: its decodes and its chunk through the layers, a row each of them
@@ -722,8 +722,7 @@ def test_a_prompts_tokens_go_through_the_layers_at_their_rate_and_only_its_last_
         t.add(r, +1)
     calls = []
     real = t.prompt_products
-    t.prompt_products = lambda rows, heads, flops: calls.append((rows, heads)) or real(
-        rows, heads, flops)
+    t.prompt_products = lambda rows, heads: calls.append((rows, heads)) or real(rows, heads)
     t.mixed_step(16, 0, [(0, 240)], collections.defaultdict(float))
     assert calls == [(16 + 240, 16 + 1)]
 

@@ -140,7 +140,10 @@ class StepTimer:
             None if not t else (np.log2([r for r, _ in t]),
                                 np.array([v * 1e12 for _, v in t]) / self.card_flops)
             for t in (d.matmul_tflops, d.layer_matmul_tflops))
-        self.head_flops = 2.0 * m.vocab * m.hidden / tp     # the LM head's, per row
+        # of those per request: the LM head's, and the layers' (all a prompt's tokens go
+        # through the layers, only each sequence's last through the head)
+        self.head_flops = 2.0 * m.vocab * m.hidden / tp
+        self.layer_flops = self.flops_per_request - self.head_flops
         self.per_token = self.runs_per_unit * self.run_unit_bytes   # KV bytes per context token
         # GB/s of the KV's runs by their size, as the engine reads them where the card says
         self.kv_gbps = (rate_table(d.engine_run_gbps) if d.engine_run_gbps
@@ -305,7 +308,7 @@ class StepTimer:
         attn = sum(s.model.prefill_attention_flops(h - c, cached=c) for h, c in parts) / s.tp
         computed = sum(h - c for h, c in parts)
         nbytes = self.weight_bytes + sum(h for h, _ in parts) * self.bpt
-        products, rate = self.prompt_products(computed, len(parts), flops - attn)
+        products, rate = self.prompt_products(computed, len(parts))
         bw = self.seq_gbps * 1e9
         # the products, then the attention, each at its roofline; an engine that runs
         # attention request by request pays that per prompt too
@@ -342,22 +345,21 @@ class StepTimer:
             return self.s.mfu
         return float(np.interp(math.log2(max(rows, 1)), *table))
 
-    def prompt_products(self, rows: int, heads: int, flops: float) -> tuple[float, float]:
+    def prompt_products(self, rows: int, heads: int) -> tuple[float, float]:
         """(seconds of the matrix products, the rate its attention's FLOPs run at) of a step
         with prompt tokens in it: `rows` tokens through the layers, `heads` of them (each
-        sequence's last) through the LM head, `flops` all the products' FLOPs. Where the card
-        measured its layers' products apart, each part at its own row count: the head's time
-        is the whole set's at `heads` rows less the layers' there (at least its FLOPs at the
-        card's peak); else all of them at the whole set's rate at `rows`."""
+        sequence's last) through the LM head. Where the card measured its layers' products
+        apart, each part at its own row count: the head's time is the whole set's at `heads`
+        rows less the layers' there (at least its FLOPs at the card's peak); else all of them
+        at the whole set's rate at `rows`."""
         if self._layer_efficiency is None:
             rate = self.card_flops * self.efficiency(rows)
-            return flops / rate, rate
-        layer_row = self.flops_per_request - self.head_flops
+            return (rows * self.layer_flops + heads * self.head_flops) / rate, rate
         rate = self.card_flops * self.efficiency(rows, layers=True)
-        head = max(heads * self.head_flops / self.card_flops,
+        head = max(heads * self.head_flops,
                    heads * (self.flops_per_request / self.efficiency(heads)
-                            - layer_row / self.efficiency(heads, layers=True)) / self.card_flops)
-        return rows * layer_row / rate + head, rate
+                            - self.layer_flops / self.efficiency(heads, layers=True)))
+        return rows * self.layer_flops / rate + head / self.card_flops, rate
 
     def _decode_lines(self, nb: int):
         """(overheads, m0, m1, f0, f1, products) of a decode step of the nb running requests at
@@ -455,9 +457,7 @@ class StepTimer:
         # every token of the step, decodes and chunks, goes through one matrix product, each
         # sequence's last through the LM head; then the attention reads the decodes' KV and
         # the chunks' context, or computes
-        products, rate = self.prompt_products(nb + computed, nb + len(chunks),
-                                              nb * self.flops_per_request + chunk_flops
-                                              - chunk_attn)
+        products, rate = self.prompt_products(nb + computed, nb + len(chunks))
         products = max(self.w_seconds, products)
         ctx_flops = self.flops_per_ctx * (ab + sb * step) / self.per_token
         attention = max(a + sl * step + context * self.bpt / (self.seq_gbps * 1e9),
