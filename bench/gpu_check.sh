@@ -102,7 +102,7 @@ step speed32 150 $E --trace "$R/t32.csv" --max-batch $MB --kv-pool-gb $(gb $POOL
 # inside its timed run)
 step full256 130 $E --trace "$R/t256.csv" --max-batch $BIGMB --kv-pool-gb $(gb $BIGPOOL) \
   --max-model-len $BIGLEN --policy $FIVE --json
-# the same requests with chunked prefill (simulate predicts it too)
+# the 32-request run with chunked prefill, 2,048 tokens a step (simulate predicts it too)
 step speed32_chunked 60 $E --trace "$R/t32.csv" --max-batch $MB --kv-pool-gb $(gb $POOL) \
   --max-num-batched-tokens 2048 --policy odma,paged --json
 # 4. a card of this device: the native probe of its memory, matmul throughput, the engine's own
