@@ -23,12 +23,16 @@ TRACES = Path(os.environ.get("ODMA_TRACES", Path(__file__).resolve().parents[1].
                              "shared" / "traces"))
 
 
-def lengths_only(name: str, folder: str) -> str:
-    """The trace without its arrival times (all at once), written into `folder`."""
+def lengths_only(trace: str, folder: str) -> str:
+    """The trace (a CSV file, or the name of one in TRACES) without its arrival times (all at
+    once), written into `folder`; SystemExit with one line where there is no such trace."""
     import csv
 
-    out = Path(folder) / name
-    with open(TRACES / name) as f, open(out, "w") as g:
+    src = Path(trace) if Path(trace).is_file() else TRACES / trace
+    if not src.is_file():
+        raise SystemExit(f"no trace {trace!r}: neither a file nor one of {TRACES}")
+    out = Path(folder) / src.name
+    with open(src) as f, open(out, "w") as g:
         rows = csv.DictReader(f)
         g.write("num_prefill_tokens,num_decode_tokens\n")
         for r in rows:
@@ -49,7 +53,9 @@ def main(argv=None) -> None:
     p.add_argument("--max-batch", type=int, default=16)
     p.add_argument("--kv-pool-gb", type=float, default=0.512)
     p.add_argument("--policy", default="odma,static,paged,hf")
-    p.add_argument("--traces", default="azure_conv_2023.csv,sharegpt_8k.csv")
+    p.add_argument("--traces", default="azure_conv_2023.csv,sharegpt_8k.csv",
+                   help="trace CSVs, or names of ones in the shared traces folder, "
+                        "comma-separated")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="chunked prefill at this token budget per step (default: prefill-first)")
     p.add_argument("--card", default=None,

@@ -61,7 +61,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-pool-gb", type=float, default=0.064)
     p.add_argument("--budget", type=int, default=256)
     p.add_argument("--policy", default="odma,paged")
-    p.add_argument("--traces", default="azure_conv_2023.csv,sharegpt_8k.csv")
+    p.add_argument("--traces", default="azure_conv_2023.csv,sharegpt_8k.csv",
+                   help="trace CSVs, or names of ones in the shared traces folder, "
+                        "comma-separated")
     p.add_argument("--rounds", type=int, default=1,
                    help="engine runs of every row, round-robin; simulate meets their median")
     p.add_argument("--json", action="store_true")
@@ -73,7 +75,7 @@ def main(argv=None) -> int:
     if a.rounds < 1:
         raise SystemExit(f"--rounds must be at least 1, got {a.rounds}")
     with tempfile.TemporaryDirectory() as tmp:
-        lines = [(name.removesuffix(".csv"), sched, run_args(a, lengths_only(name, tmp), sched))
+        lines = [(os.path.basename(name).removesuffix(".csv"), sched, run_args(a, lengths_only(name, tmp), sched))
                  for name in a.traces.split(",")
                  for sched in ([], ["--max-num-batched-tokens", str(a.budget)])]
         sims = [odma_hw("simulate", *args) for _, _, args in lines]

@@ -65,7 +65,8 @@ def sums(log: list) -> dict:
 
 def main(argv=None) -> int:
     p = fidelity_engine.parser()
-    p.add_argument("--trace", default="sharegpt_8k.csv")
+    p.add_argument("--trace", default="sharegpt_8k.csv",
+                   help="a trace CSV, or the name of one in the shared traces folder")
     p.add_argument("--each", action="store_true",
                    help="print every step with prompt tokens, engine beside simulate")
     a = p.parse_args(argv)
