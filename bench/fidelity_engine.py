@@ -75,7 +75,8 @@ def main(argv=None) -> int:
     if a.rounds < 1:
         raise SystemExit(f"--rounds must be at least 1, got {a.rounds}")
     with tempfile.TemporaryDirectory() as tmp:
-        lines = [(os.path.basename(name).removesuffix(".csv"), sched, run_args(a, lengths_only(name, tmp), sched))
+        lines = [(os.path.basename(name).removesuffix(".csv"), sched,
+                  run_args(a, lengths_only(name, tmp), sched))
                  for name in a.traces.split(",")
                  for sched in ([], ["--max-num-batched-tokens", str(a.budget)])]
         sims = [odma_hw("simulate", *args) for _, _, args in lines]
