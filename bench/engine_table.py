@@ -23,6 +23,9 @@ TRACES = Path(os.environ.get("ODMA_TRACES", Path(__file__).resolve().parents[1].
                              "shared" / "traces"))
 
 
+TRACES_HELP = "trace CSVs, or names of ones in the shared traces folder, comma-separated"
+
+
 def lengths_only(trace: str, folder: str) -> str:
     """The trace (a CSV file, or the name of one in TRACES) without its arrival times (all at
     once), written into `folder`; SystemExit with one line where there is no such trace."""
@@ -53,9 +56,7 @@ def main(argv=None) -> None:
     p.add_argument("--max-batch", type=int, default=16)
     p.add_argument("--kv-pool-gb", type=float, default=0.512)
     p.add_argument("--policy", default="odma,static,paged,hf")
-    p.add_argument("--traces", default="azure_conv_2023.csv,sharegpt_8k.csv",
-                   help="trace CSVs, or names of ones in the shared traces folder, "
-                        "comma-separated")
+    p.add_argument("--traces", default="azure_conv_2023.csv,sharegpt_8k.csv", help=TRACES_HELP)
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="chunked prefill at this token budget per step (default: prefill-first)")
     p.add_argument("--card", default=None,

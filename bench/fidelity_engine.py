@@ -28,7 +28,7 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from engine_table import lengths_only  # noqa: E402
+from engine_table import TRACES_HELP, lengths_only  # noqa: E402
 
 METRICS = (("output_tps", "output tok/s", lambda r: r["output_tps"]),
            ("tpot_p50", "TPOT p50 (ms)", lambda r: r["tpot_s"]["p50"] * 1e3),
@@ -61,9 +61,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-pool-gb", type=float, default=0.064)
     p.add_argument("--budget", type=int, default=256)
     p.add_argument("--policy", default="odma,paged")
-    p.add_argument("--traces", default="azure_conv_2023.csv,sharegpt_8k.csv",
-                   help="trace CSVs, or names of ones in the shared traces folder, "
-                        "comma-separated")
+    p.add_argument("--traces", default="azure_conv_2023.csv,sharegpt_8k.csv", help=TRACES_HELP)
     p.add_argument("--rounds", type=int, default=1,
                    help="engine runs of every row, round-robin; simulate meets their median")
     p.add_argument("--json", action="store_true")
