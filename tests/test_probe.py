@@ -207,8 +207,8 @@ HOST_MIB = max(256, -(-4 * (LLC or 0) // MIB))
     ([*EMU, "--model", "qwen2.5-0.5b", "--dtype", "int4"], "invalid choice: 'int4'"),
     ([*EMU, "--model", "no-such-model"], "unknown --model 'no-such-model'"),
     ([*EMU, "--full-speed", "1.5"], "full speed must lie in (0, 1]"),
-    (["--from", "/nonexistent/probe.json"], "cannot read it"),
-    (["--from", "pyproject.toml"], "not JSON"),
+    (["--from", "/nonexistent/probe.json"], "cannot read --from file"),
+    (["--from", "pyproject.toml"], "is not valid JSON"),
     (["--from", H100_PROBE, "--run-bytes", "2G"], "larger than the 1073741824-byte buffer"),
     (["--from", H100_PROBE, "--run-bytes", "16"], "below the smallest granule"),
     (["--from", H100_PROBE, "--device", "cuda:1"], "'cuda:1' is not in"),
@@ -459,3 +459,22 @@ def test_an_emulated_device_measures_the_models_run_and_says_what_paging_costs(p
         assert run["verdict"] == "contiguous-recommended" and "paging reads at" in run["summary"]
         assert dev["knee_bytes"] is None
     assert run["verdict"] == ("paging-free" if run["ratio"] >= 0.9 else "contiguous-recommended")
+
+
+@pytest.mark.parametrize("change, says", [
+    (dict(verdict="maybe"), "'verdict' must be one of racm, not-racm, inconclusive"),
+    (dict(alpha=5), "'alpha' is a fraction of streaming in (0, 1], got 5"),
+    (dict(granularity=8192), "'granularity' 8192 has no figure in 'rand_gbps'"),
+])
+def test_a_saved_entry_that_contradicts_itself_is_refused_naming_the_key(tmp_path, capsys,
+                                                                         change, says):
+    doc = json.loads(Path(H100_PROBE).read_text())
+    doc["devices"][0].update(change)
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(doc))
+    try:
+        code = cli.main(["probe", "--from", str(path)])
+    except SystemExit as exc:
+        code = exc.code
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and says in err, err

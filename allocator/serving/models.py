@@ -7,10 +7,10 @@ transformers is loaded only to read a config, safetensors only to read weights' 
 from __future__ import annotations
 
 import importlib
-import json
 import math
 import pathlib
 
+from odma_cli import docfile
 from odma_cli.errors import BadArgument, DeviceUnavailable, one_line
 
 SUPPORTED = ("llama", "qwen2", "mistral")
@@ -20,6 +20,10 @@ DTYPES = {"float32": 4, "bfloat16": 2}     # the engine's dtypes and their bytes
 # A count beyond this is a corrupt config, not a model: torch sizes many kernels' dimensions in
 # 32-bit places, and no published decoder comes near it.
 MAX_CONFIG_COUNT = 2**31 - 1
+# Layers beyond this are not a model either (the deepest published decoders have a few
+# hundred), and transformers builds a list a layer as it reads a config: for 2**31 layers it
+# never ends, where a million take milliseconds and leave the refusal to the memory checks
+MAX_LAYERS = 1 << 20
 # key -> whether a config must give it; the counts every command sizes the model with
 COUNT_KEYS = {"num_hidden_layers": True, "hidden_size": True, "num_attention_heads": True,
               "intermediate_size": True, "vocab_size": True, "max_position_embeddings": True,
@@ -78,12 +82,7 @@ def read_config(path) -> tuple[dict, dict]:
 
 
 def _json(path):
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError) as exc:
-        raise BadArgument(f"cannot read model config {path}: "
-                          f"{one_line(getattr(exc, 'strerror', None) or exc)}") from None
+    return docfile.load_document(path, "model config", as_json=True)
 
 
 def check_config(data, path) -> dict:
@@ -113,13 +112,14 @@ def check_config(data, path) -> dict:
     out = {}
     for key, required in COUNT_KEYS.items():
         v = data.get(key)
+        most = MAX_LAYERS if key == "num_hidden_layers" else MAX_CONFIG_COUNT
         if v is None:
             if required:
                 raise BadArgument(f"{path}: missing {key!r}")
             continue
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
-                or v != int(v) or not 1 <= v <= MAX_CONFIG_COUNT:
-            raise bad(key, f"a whole number in [1, {MAX_CONFIG_COUNT}]")
+                or v != int(v) or not 1 <= v <= most:
+            raise bad(key, f"a whole number in [1, {most}]")
         out[key] = int(v)
     heads, hidden = out["num_attention_heads"], out["hidden_size"]
     out.setdefault("num_key_value_heads", heads)

@@ -19,6 +19,7 @@ import json
 import os
 from dataclasses import dataclass
 
+from odma_cli import docfile
 from odma_cli.commands import ValueCheck, module_of, registry
 from odma_cli.errors import BadArgument
 from odma_cli.keys import check_keys
@@ -98,7 +99,7 @@ def _scalar(value, where: str):
 def _parse_toml(raw: bytes) -> dict:
     from odma_cli import tomlread
 
-    return tomlread.loads(raw.decode())
+    return tomlread.loads(raw.decode("utf-8-sig"))
 
 
 def _parse_yaml(raw: bytes) -> dict:
@@ -116,14 +117,10 @@ _PARSERS = {".toml": _parse_toml, ".yaml": _parse_yaml, ".yml": _parse_yaml, ".j
 
 def _read_grid_file(path: str) -> dict:
     ext = os.path.splitext(path)[1].lower()
-    try:
-        with open(path, "rb") as f:
-            raw = f.read()
-    except OSError as exc:
-        raise BadArgument(f"cannot read grid {path!r}: {exc.strerror or exc}") from None
     if ext not in _PARSERS:
         raise BadArgument(f"grid {path}: unknown format {ext or '(none)'!r}; use .toml, .yaml "
                           f"or .json")
+    raw = docfile.read_bounded(path, "grid")
     try:
         return _PARSERS[ext](raw)
     except BadArgument:

@@ -16,6 +16,7 @@ from odma_hw.probe.runs import (FULL_SPEED, KVRun, check_alpha, check_full_speed
 SCHEMA = "odma-hw.probe/1"
 DEFAULT_GRANULARITIES = (32, 64, 128, 256, 512, 1024, 4096)
 DEFAULT_ALPHA = 0.5
+VERDICTS = ("racm", "not-racm", "inconclusive")      # what classify() returns
 # bandwidth that grows by more than this from half the threads to all of them is still scaling
 SCALING_TOLERANCE = 1.15
 # a sequential stream below this fraction of the known peak did not load the memory system

@@ -5,12 +5,12 @@ another full-speed fraction and judges a KV run against its ratios."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 
-from odma_cli.errors import BadArgument, one_line
+from odma_cli import docfile
+from odma_cli.errors import BadArgument
 from odma_hw.devices.base import MIN_GRANULE, is_int
-from odma_hw.probe.measure import SCHEMA, ProbeResult
+from odma_hw.probe.measure import SCHEMA, VERDICTS, ProbeResult
 from odma_hw.probe.runs import FULL_SPEED, KVRun, check_full_speed, judge_run
 
 
@@ -29,10 +29,16 @@ def _saved_entry(entry, path: str, i: int) -> ProbeResult:
     for key in ("verdict", "reason"):
         if not isinstance(entry.get(key), str):
             raise BadArgument(f"{where}: {key!r} must be text, got {entry.get(key)!r:.60}")
+    if entry["verdict"] not in VERDICTS:
+        raise BadArgument(f"{where}: 'verdict' must be one of {', '.join(VERDICTS)}, got "
+                          f"{entry['verdict']!r:.60}")
     for key in ("seq_gbps", "ratio", "alpha"):
         if not _positive(entry.get(key)):
             raise BadArgument(f"{where}: {key!r} must be a finite number > 0, got "
                               f"{entry.get(key)!r:.60}")
+    if entry["alpha"] > 1:
+        raise BadArgument(f"{where}: 'alpha' is a fraction of streaming in (0, 1], got "
+                          f"{entry['alpha']!r:.60}")
     gran = entry.get("granularity")
     if not is_int(gran) or gran < MIN_GRANULE:
         raise BadArgument(f"{where}: 'granularity' must be a granule in bytes, got {gran!r:.60}")
@@ -46,6 +52,9 @@ def _saved_entry(entry, path: str, i: int) -> ProbeResult:
             raise BadArgument(f"{where}: 'rand_gbps' {g!r}: {v!r:.60} is not a granule in bytes "
                               f"and a bandwidth > 0")
         table[size] = float(v)
+    if gran not in table:
+        raise BadArgument(f"{where}: 'granularity' {gran} has no figure in 'rand_gbps' (its "
+                          f"ratio was measured there)")
     buffer_bytes = entry.get("buffer_bytes")
     if buffer_bytes is not None and (not is_int(buffer_bytes) or buffer_bytes <= 0):
         raise BadArgument(f"{where}: 'buffer_bytes' must be a positive integer, got "
@@ -78,14 +87,7 @@ def load_saved(path: str, devices: list[str] | None = None) -> list[ProbeResult]
     """The device entries of a saved `probe --json` (schema odma-hw.probe/1), or those named in
     `devices`, as ProbeResults that keep their saved fields; BadArgument in one line naming the
     file (and the key) for anything amiss."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            doc = json.load(f)
-    except OSError as exc:
-        raise BadArgument(f"--from {path}: cannot read it: {exc.strerror or exc}") from None
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise BadArgument(f"--from {path}: not JSON ({one_line(exc, 120)})") \
-            from None
+    doc = docfile.load_document(path, "--from file", as_json=True)
     if not isinstance(doc, dict) or doc.get("schema") != SCHEMA:
         schema = doc.get("schema") if isinstance(doc, dict) else None
         raise BadArgument(f"--from {path}: not an {SCHEMA} document (schema {schema!r:.60})")

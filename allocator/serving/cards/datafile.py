@@ -1,6 +1,6 @@
-"""The small data files a user hands the simulator and the engine (device cards, probe JSON
-files): read with a bound on their size, and their numbers and keys checked by one set of rules,
-so that a card and a probe file refuse alike, in one line naming the file and the key.
+"""The numbers and keys of the small data files a user hands the simulator and the engine (device
+cards, probe JSON files, engine profiles; odma_cli.docfile reads them), checked by one set of
+rules, so that a card and a probe file refuse alike, in one line naming the file and the key.
 
 A number must be a number of the file's format (not a boolean, not a string of digits) inside
 the range its quantity allows. The ranges leave orders of magnitude to spare around any real
@@ -14,13 +14,10 @@ no two keys of a table can name the same row.
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 import re
 
-from odma_cli.errors import BadArgument, one_line
+from odma_cli.errors import BadArgument
 
-MAX_FILE_BYTES = 1 << 20            # a card or a probe file is a few KB; more is not one
 MAX_MATMUL_ROWS = 1 << 24           # rows (tokens) of one step's matrix products
 MAX_RUN_BYTES = 1 << 40             # a run of contiguous reads no device memory exceeds
 
@@ -81,38 +78,3 @@ def table(where: str, key: str, v, max_key: int, allowed: Range) -> dict[int, fl
             raise BadArgument(f"{where}: {key!r} at {k}: must be {allowed}, got {shown(x)}")
         out[int(k)] = float(x)
     return dict(sorted(out.items()))
-
-
-def _refuse_duplicates(pairs) -> dict:
-    keys = [k for k, _ in pairs]
-    if len(set(keys)) < len(keys):
-        twice = next(k for k in keys if keys.count(k) > 1)
-        raise ValueError(f"duplicate key {twice!r}")    # json.loads would keep the last
-    return dict(pairs)
-
-
-def load_document(path, what: str, as_json: bool):
-    """The JSON (as_json) or TOML document of file `path`; `what` names the file in messages
-    ("card", "probe JSON"). BadArgument in one line for a file that cannot be read, is larger
-    than MAX_FILE_BYTES (a device that never ends, a file that is no such document) or does not
-    parse; a JSON object that names a key twice does not parse."""
-    from odma_cli import tomlread
-
-    path = os.fspath(path)
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(MAX_FILE_BYTES + 1)
-    except OSError as exc:
-        raise BadArgument(f"cannot read {what} {path}: {exc.strerror or exc}") from None
-    if len(raw) > MAX_FILE_BYTES:
-        raise BadArgument(f"{what} {path} is over {MAX_FILE_BYTES >> 20} MiB: not a {what}")
-    try:
-        text = raw.decode("utf-8")
-        if as_json:
-            return json.loads(text, object_pairs_hook=_refuse_duplicates)
-        return tomlread.loads(text)
-    except RecursionError:              # JSON arrays nested thousands deep
-        raise BadArgument(f"{what} {path} is not valid JSON: nested too deep") from None
-    except (UnicodeDecodeError, ValueError) as exc:     # TOMLDecodeError is a ValueError
-        raise BadArgument(f"{what} {path} is not valid {'JSON' if as_json else 'TOML'}: "
-                          f"{one_line(exc)}") from None

@@ -14,6 +14,7 @@ import collections
 import dataclasses
 import pathlib
 
+from odma_cli import docfile
 from odma_cli.errors import BadArgument
 from odma_cli.keys import check_keys
 
@@ -395,7 +396,7 @@ def load_card(path) -> Accelerator:
     import os
 
     path = os.fspath(path)
-    data = datafile.load_document(path, "card", as_json=card_is_json(path))
+    data = docfile.load_document(path, "card", as_json=card_is_json(path))
     fields = card_fields(path, data)
     fields["timing"] = _card_timing(path, fields["timing"], fields.get("emu_channels"))
     if fields.get("device_name") and fields["timing"].startswith("probe:"):
@@ -407,7 +408,7 @@ def _check_probe_device(path, probe: str, device_name: str) -> None:
     """A card's probe file must measure the device the card names: a probe of another card
     (an A100's figures under an H100's name, a host's under a GPU's) would pass every other
     check and price every run wrong. BadArgument in one line naming both."""
-    data = datafile.load_document(probe, "probe JSON", as_json=True)
+    data = docfile.load_document(probe, "probe JSON", as_json=True)
     entries = data.get("devices") if isinstance(data, dict) else None
     first = entries[0] if isinstance(entries, list) and entries else None
     measured = first.get("name") if isinstance(first, dict) else None

@@ -20,6 +20,7 @@ import dataclasses
 import os
 import pathlib
 
+from odma_cli import docfile
 from odma_cli.errors import BadArgument
 from odma_cli.keys import check_keys
 
@@ -128,7 +129,7 @@ def load_profile(path) -> EngineProfile:
     without its source)."""
     path = os.fspath(path)
     where = f"engine profile {path}"
-    data = datafile.load_document(path, "engine profile", as_json=False)
+    data = docfile.load_document(path, "engine profile", as_json=False)
     fields = _checked(where, data, PROFILE_KEYS)
     points = fields.pop("fit_points", [])
     if not isinstance(points, list):

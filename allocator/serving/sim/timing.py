@@ -41,6 +41,7 @@ import threading
 
 import numpy as np
 
+from odma_cli import docfile
 from odma_cli.errors import BadArgument
 
 from allocator.serving.cards import datafile
@@ -311,7 +312,7 @@ def probe_timing(path: str, device: str | None = None) -> MeasuredTiming:
     seq_gbps and copy_gbps (optional: the sequential figure where absent). BadArgument in one
     line naming the file and the key for anything amiss, by the rules cards follow
     (allocator/serving/cards/datafile.py)."""
-    data = datafile.load_document(path, "probe JSON", as_json=True)
+    data = docfile.load_document(path, "probe JSON", as_json=True)
     if not isinstance(data, dict) or data.get("schema") != "odma-hw.probe/1":
         schema = data.get("schema") if isinstance(data, dict) else None
         raise BadArgument(f"{path} is not an odma-hw.probe/1 document (schema "

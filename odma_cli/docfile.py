@@ -1,0 +1,59 @@
+"""The small JSON and TOML documents a user hands the tool (cards, probe files, engine profiles,
+model configs, sweep grids): read with a bound on their size and parsed, any failure one line
+naming the file.
+
+The bound keeps a path to a device that never ends (/dev/zero) or a file that is no such
+document from being read into memory whole. A leading UTF-8 byte-order mark is dropped, as
+the trace readers drop it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from odma_cli.errors import BadArgument, one_line
+
+MAX_FILE_BYTES = 1 << 20            # such a document is a few KB; a MiB is none of them
+
+
+def read_bounded(path, what: str, limit: int = MAX_FILE_BYTES) -> bytes:
+    """The bytes of file `path`; BadArgument in one line naming it (`what`: "card", "grid")
+    when it cannot be read or holds more than `limit` bytes."""
+    path = os.fspath(path)
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(limit + 1)
+    except OSError as exc:
+        raise BadArgument(f"cannot read {what} {path}: {exc.strerror or exc}") from None
+    if len(raw) > limit:
+        raise BadArgument(f"{what} {path} is over {limit >> 20} MiB: not a {what}")
+    return raw
+
+
+def _refuse_duplicates(pairs) -> dict:
+    keys = [k for k, _ in pairs]
+    if len(set(keys)) < len(keys):
+        twice = next(k for k in keys if keys.count(k) > 1)
+        raise ValueError(f"duplicate key {twice!r}")    # json.loads would keep the last
+    return dict(pairs)
+
+
+def load_document(path, what: str, as_json: bool):
+    """The JSON (as_json) or TOML document of file `path`; `what` names the file in messages
+    ("card", "probe JSON"). BadArgument in one line for a file that read_bounded refuses or
+    that does not parse; a JSON object that names a key twice does not parse."""
+    from odma_cli import tomlread
+
+    raw = read_bounded(path, what)
+    try:
+        text = raw.decode("utf-8-sig")
+        if as_json:
+            return json.loads(text, object_pairs_hook=_refuse_duplicates)
+        return tomlread.loads(text)
+    except RecursionError:              # JSON arrays nested thousands deep
+        raise BadArgument(f"{what} {os.fspath(path)} is not valid JSON: nested too deep") \
+            from None
+    except (UnicodeDecodeError, ValueError) as exc:     # TOMLDecodeError is a ValueError
+        raise BadArgument(f"{what} {os.fspath(path)} is not valid "
+                          f"{'JSON' if as_json else 'TOML'}: {one_line(exc)}") from None
