@@ -41,8 +41,9 @@ import time
 import numpy as np
 
 from odma_cli import argtypes, jsonout, plotting
-from odma_cli.commands import ValueCheck
+from odma_cli.commands import ValueCheck, option_dests
 from odma_cli.errors import BadArgument
+from odma_hw import devices
 
 from allocator.buckets import RULES
 from allocator.config import BASES, COLD_STARTS, AllocatorConfig
@@ -92,9 +93,10 @@ def run_replay(trace, policy: str = "odma", predictor: str = "online", *,
                time_scale: float = 1.0, step_seconds: float = 0.05, alpha: float = 1.0,
                tau: float = 4.0, large_share: float = 0.1, noise_sigma: float = 0.3,
                cold_start: str = "prediction", seed: int = 0, progress: bool = False,
-               samples: int = 400) -> dict:
+               samples: int = 400, check_only: bool = False) -> dict:
     """Replay `trace` (a Trace or a CSV path) and return the metrics dict (see module doc).
-    device: a spec string, a Device, or "none"/None for accounting-only."""
+    device: a spec string, a Device, or "none"/None for accounting-only. check_only: make every
+    check, open the device and close it again, and return {}."""
     t_wall = time.perf_counter()
     if not isinstance(trace, RequestTrace):
         trace = load_trace(trace)
@@ -109,7 +111,11 @@ def run_replay(trace, policy: str = "odma", predictor: str = "online", *,
         bytes_per_token = MODELS[model]
     if not (step_seconds > 0 and math.isfinite(step_seconds)):
         raise BadArgument(f"step_seconds must be a finite number > 0, got {step_seconds}")
-    arrive = np.floor(arrival_seconds(trace, rate, time_scale, seed) / step_seconds).astype(np.int64)
+    arrive = np.floor(arrival_seconds(trace, rate, time_scale, seed) / step_seconds)
+    if len(arrive) and not arrive.max() < 2**53:       # beyond int64 and a float's integers
+        raise BadArgument(f"--step-seconds {step_seconds:g} makes the trace's arrivals "
+                          f"{arrive.max():.3g} steps long: more steps than a count holds")
+    arrive = arrive.astype(np.int64)
     prompt = trace.prompt.tolist()
     gen = [max(1, g) for g in trace.generated.tolist()]   # every request makes >= 1 token
     longest = max(p + g for p, g in zip(prompt, gen))
@@ -123,6 +129,11 @@ def run_replay(trace, policy: str = "odma", predictor: str = "online", *,
                              bucket_basis=bucket_basis, background_refresh=False,
                              large_share=large_share, cold_start=cold_start)
     dev = None if device in (None, "none") else device
+    if check_only:                      # the device too, which a spec alone does not prove
+        if isinstance(dev, str):
+            with devices.open(dev):
+                pass
+        return {}
     alloc = make_allocator(policy, dev, pool_bytes, bytes_per_token, max_tokens, config)
     try:
         return replay_requests(trace, alloc, make_predictor(predictor, seed=seed, sigma=noise_sigma),
@@ -143,8 +154,6 @@ def run_replay(trace, policy: str = "odma", predictor: str = "online", *,
 
 def default_device() -> str:
     """`host` when its backend finds a device here, else `torch:cpu`, else accounting-only."""
-    from odma_hw import devices
-
     found = {s.backend: s.specs for s in devices.discover()}
     if found.get("host"):
         return "host"
@@ -171,8 +180,9 @@ def plot(result: dict, path: str) -> None:
     plotting.save(fig, path)
 
 
-def compute(args) -> dict:
-    """The JSON object of `odma-hw replay` for parsed arguments (with the time series)."""
+def compute(args, check_only: bool = False) -> dict:
+    """The JSON object of `odma-hw replay` for parsed arguments (with the time series);
+    check_only as run_replay takes it."""
     device = args.device or default_device()
     return run_replay(
         args.trace, args.policy, args.predictor, model=args.model,
@@ -182,7 +192,7 @@ def compute(args) -> dict:
         device=device, rate=args.rate, time_scale=args.time_scale,
         step_seconds=args.step_seconds, alpha=args.alpha, tau=args.tau,
         large_share=args.large_share, cold_start=args.cold_start, seed=args.seed,
-        progress=not args.json or sys.stderr.isatty())
+        progress=not args.json or sys.stderr.isatty(), check_only=check_only)
 
 
 def _cmd(args) -> int:
@@ -262,7 +272,12 @@ OPTION_UNITS = {"bytes-per-token": "B", "max-tokens": "tokens", "rate": "req/s",
 def sweep_checks() -> list[ValueCheck]:
     """What compute() refuses before any work (see odma_cli/commands.py)."""
     return [trace_check(), ValueCheck("kv-pool-gb", ("kv_pool_gb", "pool_gib"),
-                                      lambda a: pool_bytes(a.kv_pool_gb, a.pool_gib))]
+                                      lambda a: pool_bytes(a.kv_pool_gb, a.pool_gib)),
+            # last, once per distinct cell: the rest of what run_replay() checks before any
+            # work (--max-tokens against the trace, the step count, the device), as the cell
+            # itself would
+            ValueCheck("replay", option_dests(register, "replay"),
+                       lambda a: compute(a, check_only=True))]
 
 
 def register(subparsers) -> None:

@@ -101,6 +101,13 @@ class RequestTrace:
                 raise BadArgument(f"{name}: request {i} has prefix {self.prefix_id[i]!r} of "
                                   f"{self.prefix_tokens[i]} tokens in a {self.prompt[i]}-token "
                                   f"prompt (a named prefix covers 1..prompt tokens)")
+            length = {}                 # a prefix_id names one prefix: one length, every row
+            for i, (key, tokens) in enumerate(zip(self.prefix_id, self.prefix_tokens.tolist())):
+                if key and length.setdefault(key, (tokens, i))[0] != tokens:
+                    first, row = length[key]
+                    raise BadArgument(f"{name}: request {i} gives prefix {key!r} {tokens} tokens "
+                                      f"where request {row} gave it {first}: one prefix_id "
+                                      f"names one prefix")
 
     def __len__(self):
         return len(self.prompt)
@@ -284,6 +291,8 @@ def check_output_path(path) -> None:
     """BadArgument unless a trace can be written at `path`: its folder exists and it is not a
     folder itself. Called before a trace is generated, so a typo costs no work."""
     path = os.fspath(path)
+    if not path:
+        raise BadArgument("cannot write a trace to an empty path: give a file name")
     st = _existing(path)
     if st is not None and stat.S_ISDIR(st.st_mode):
         raise BadArgument(f"cannot write trace {path}: it is a directory")
@@ -394,8 +403,9 @@ def arrival_seconds(trace: RequestTrace, rate: float | None = None, time_scale: 
         if not (isinstance(rate, (int, float)) and rate > 0 and math.isfinite(rate)):
             raise BadArgument(f"--rate must be a positive number of requests per second, got "
                               f"{rate}")
-        seconds = np.cumsum(np.random.default_rng(seed).exponential(1.0 / rate, n))
-        seconds -= seconds[0]
+        with np.errstate(over="ignore", invalid="ignore"):   # a rate so low its gaps overflow
+            seconds = np.cumsum(np.random.default_rng(seed).exponential(1.0 / rate, n))
+            seconds -= seconds[0]
     elif trace.arrival is not None:
         if not (time_scale > 0 and math.isfinite(time_scale)):
             raise BadArgument(f"--time-scale must be a positive number, got {time_scale}")
@@ -403,6 +413,8 @@ def arrival_seconds(trace: RequestTrace, rate: float | None = None, time_scale: 
     else:
         return np.zeros(n)
     span = float(seconds.max()) if n else 0.0
+    if math.isnan(span):                # inf - inf: gaps beyond any float
+        span = math.inf
     if not span <= MAX_SPAN_SECONDS:
         raise BadArgument(f"{n} arrivals would span {span:.3g} s of simulated time, more than "
                           f"{MAX_SPAN_SECONDS:.0f} s (30 days): raise --rate or lower "

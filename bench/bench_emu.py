@@ -16,7 +16,7 @@ import pytest
 from odma_hw.emu import state, timing_loop
 from odma_hw.emu import emulate
 from odma_hw.emu.mapping import address_map, decompose
-from odma_hw.emu.model import _options
+from odma_hw.emu.model import controller_options
 from odma_hw.emu.specs import derive, device_spec
 from odma_hw.emu.traces import generate
 
@@ -26,7 +26,7 @@ def _one_channel_arrays(n):
     tr = generate("rand", n, 64, footprint=dev.total_bytes, burst=32)
     arrays = decompose(address_map(dev), tr.addr, tr.size, tr.write)
     tp = state.pack(derive(dev.channel))
-    opt = _options(dev, "allbank", "open", "frfcfs", 32, False)
+    opt = controller_options(dev, "allbank", "open", "frfcfs", 32, False)
     return tp, opt, arrays
 
 

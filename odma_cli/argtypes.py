@@ -47,6 +47,19 @@ def positive_float(text: str) -> float:
     return v
 
 
+def between(low: float, high: float):
+    """The type of a number in [low, high] (a quantity with the range a card file gives it)."""
+    def number(text: str) -> float:
+        v = _number(text, float)
+        if not low <= v <= high:                    # NaN compares false: refused too
+            raise argparse.ArgumentTypeError(f"must be a number in [{low:g}, {high:g}], not "
+                                             f"{text!r}")
+        return v
+
+    number.__name__ = f"number in [{low:g}, {high:g}]"
+    return number
+
+
 def nonnegative_float(text: str) -> float:
     v = _number(text, float)
     if not (v >= 0 and math.isfinite(v)):

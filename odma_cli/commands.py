@@ -43,6 +43,16 @@ class ValueCheck:
     run: collections.abc.Callable       # run(namespace of `reads`), raising BadArgument
 
 
+def option_dests(register, command: str) -> tuple:
+    """Every argument (argparse dest) that the parser `register(subparsers)` adds for `command`
+    sets: what a ValueCheck reads that checks a cell as a whole."""
+    import argparse
+
+    sub = argparse.ArgumentParser().add_subparsers()
+    register(sub)
+    return tuple(a.dest for a in sub.choices[command]._actions if a.dest != "help")
+
+
 @functools.cache
 def registry() -> dict[str, str]:
     """Command name -> module, by name (--help's order)."""

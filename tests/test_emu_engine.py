@@ -11,7 +11,7 @@ import pytest
 from odma_cli.errors import BadArgument
 from odma_hw.emu import emulate, mapping, state, timing_loop
 from odma_hw.emu.mapping import address_map, decompose
-from odma_hw.emu.model import _options
+from odma_hw.emu.model import controller_options
 from odma_hw.emu.specs import Derived, derive, device_spec
 from odma_hw.emu.traces import generate
 
@@ -22,7 +22,7 @@ def _prepared(spec, pattern, requests, *, bl=None, write_ratio=0.3, refresh="all
     tr = generate(pattern, requests, 64, footprint=dev.total_bytes, burst=dev.channel.burst_bytes,
                   write_ratio=write_ratio, seed=seed)
     arrays = decompose(address_map(dev), tr.addr, tr.size, tr.write)
-    opt = _options(dev, refresh, page, scheduler, queue, False, queue_unit=queue_unit)
+    opt = controller_options(dev, refresh, page, scheduler, queue, False, queue_unit=queue_unit)
     return state.pack(derive(dev.channel)), opt, arrays, dev.channels
 
 
@@ -148,9 +148,10 @@ def test_watermarks_set_the_length_of_write_batches():
 def test_watermarks_are_strict_fractions_of_the_write_queue():
     dev = device_spec("lpddr5-6400")
     # drain from more than 0.8 x 10 = 8 queued writes down to fewer than 0.2 x 10 = 2
-    o = _options(dev, "allbank", "open", "frfcfs", 10, False, write_high=0.8, write_low=0.2)
+    o = controller_options(dev, "allbank", "open", "frfcfs", 10, False, write_high=0.8,
+                           write_low=0.2)
     assert (o[state.O.write_high], o[state.O.write_low]) == (9, 1)
-    o = _options(dev, "allbank", "open", "frfcfs", 32, False)  # the default: 26 and 6 of 32
+    o = controller_options(dev, "allbank", "open", "frfcfs", 32, False)  # default: 26 and 6 of 32
     assert (o[state.O.write_high], o[state.O.write_low]) == (26, 6)
 
 

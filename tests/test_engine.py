@@ -362,6 +362,7 @@ def test_engine_serves_extents_with_the_knee_of_a_card(tmp_path, capsys):
     (["--device", "torch:cuda:7"], "cuda"),
     (["--max-model-len", "10"], "--clip"),
     (["--policy", "odma,magic"], "unknown policy"),
+    (["--predictor", "bogus"], "--predictor: invalid choice: 'bogus'"),
     (["--policy", "odma,elastic", "--card", "nosuch"], "unknown --card 'nosuch'"),
     (["--policy", "odma,hf", "--preemption", "swap"], "transformers' own scheduler"),
 ])
@@ -371,7 +372,11 @@ def test_bad_engine_input_is_one_line_before_any_weights(tmp_path, capsys, monke
     monkeypatch.setattr(te, "build_model", lambda *a, **k: built.append(a))
     trace = tmp_path / "t.csv"
     trace.write_text("num_prefill_tokens,num_decode_tokens\n20,10\n")
-    assert main(["engine", "--trace", str(trace), *args]) == 2
+    try:
+        code = main(["engine", "--trace", str(trace), *args])
+    except SystemExit as exc:           # argparse's refusals
+        code = exc.code
+    assert code == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1
     assert not built

@@ -228,6 +228,7 @@ BAD_CONFIGS = [
     (dict(hidden_size=65, head_dim=...), "multiple of num_attention_heads"),
     (dict(num_attention_heads=0), "'num_attention_heads' must be a whole number"),
     (dict(num_hidden_layers=2.5), "'num_hidden_layers' must be a whole number"),
+    (dict(num_hidden_layers=2**31 - 1), "1048576], got 2147483647"),
     (dict(vocab_size="512"), "'vocab_size' must be a whole number"),
     (dict(vocab_size=-5), "'vocab_size' must be a whole number"),
     (dict(vocab_size=0), "'vocab_size' must be a whole number"),

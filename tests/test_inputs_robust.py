@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import errno
+import json
 import os
 import random
 import subprocess
@@ -87,7 +88,7 @@ def test_a_workload_path_that_cannot_be_written_is_bad_usage_before_any_work(
         raise AssertionError("the workload was generated before --out was checked")
     monkeypatch.setattr(workloads, "text_analysis", must_not_run)
     for out, message in ((tmp_path / "no" / "t.csv", "does not exist"),
-                         (tmp_path, "is a directory")):
+                         (tmp_path, "is a directory"), ("", "empty path")):
         assert exit_code(["workload", "text-analysis", "--out", str(out)]) == 2
         assert message in one_line(capsys)
 
@@ -136,6 +137,19 @@ def test_a_duplicate_column_is_refused_by_name(tmp_path, capsys):
         load_trace(path)
     assert exit_code(["replay", "--trace", str(path), "--device", "none"]) == 2
     assert "num_prefill_tokens" in one_line(capsys)
+
+
+def test_a_prefix_id_given_two_lengths_is_refused_by_row(tmp_path, capsys):
+    path = tmp_path / "px.csv"
+    path.write_text("num_prefill_tokens,num_decode_tokens,prefix_id,prefix_tokens,offer_id\n"
+                    "100,5,a,50,\n120,5,b,60,\n200,5,a,150,\n")
+    with pytest.raises(BadArgument, match="request 2 gives prefix 'a' 150 tokens where "
+                                          "request 0 gave it 50"):
+        load_trace(path)
+    assert exit_code(["simulate", "--trace", str(path), "--prefix-cache"]) == 2
+    assert "one prefix_id names one prefix" in one_line(capsys)
+    path.write_text(path.read_text().replace("a,150", "a,50"))
+    assert load_trace(path).prefix_tokens.tolist() == [50, 60, 50]
 
 
 def _load_in_one_gib(path):
@@ -189,6 +203,69 @@ def test_a_trace_longer_than_any_simulation_is_refused_while_it_is_read(tmp_path
     path.write_text("num_prefill_tokens,num_decode_tokens\n" + "10,5\n" * 4)
     with pytest.raises(BadArgument, match="more than 3 requests"):
         load_trace(path)
+
+
+# ------------------------------------------------------------- reading a JSON or TOML document
+def _as_model(path, tmp_path):
+    """simulate's argv reading `path` as --model (a folder whose config.json is `path`)."""
+    trace = tmp_path / "t.csv"
+    trace.write_text("num_prefill_tokens,num_decode_tokens\n10,5\n")
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").symlink_to(path)
+    return ["simulate", "--trace", str(trace), "--model", str(folder)]
+
+
+def _as_saved_probe(path, tmp_path):
+    return ["probe", "--from", str(path)]
+
+
+def _as_grid(path, tmp_path):
+    grid = tmp_path / "grid.json"
+    grid.symlink_to(path)
+    return ["sweep", str(grid), "--dry-run"]
+
+
+READERS = {"model config": _as_model, "probe --from": _as_saved_probe, "sweep grid": _as_grid}
+RAW_DOCUMENTS = {"nested": ("[" * 100000 + "]" * 100000, "nested too deep"),
+                 "over a MiB": (" " * (2 << 20) + "{}", "over 1 MiB")}
+
+
+@pytest.mark.parametrize("reader", sorted(READERS))
+@pytest.mark.parametrize("raw", sorted(RAW_DOCUMENTS))
+def test_a_document_no_parser_takes_is_refused_in_one_line(reader, raw, tmp_path, capsys):
+    text, says = RAW_DOCUMENTS[raw]
+    path = tmp_path / "doc.json"
+    path.write_text(text)
+    argv = READERS[reader](path, tmp_path)
+    assert exit_code(argv) == 2
+    line = one_line(capsys)
+    if reader != "sweep grid":          # a grid's parser is not Python's: it says its own words
+        assert says in line
+    else:
+        assert "grid" in line
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/zero"), reason="no /dev/zero here")
+@pytest.mark.parametrize("reader", sorted(READERS))
+def test_a_document_that_never_ends_is_refused_after_a_bounded_read(reader, tmp_path, capsys):
+    assert exit_code(READERS[reader]("/dev/zero", tmp_path)) == 2
+    assert "over 1 MiB" in one_line(capsys)
+
+
+def test_a_byte_order_mark_before_a_document_is_read_past(tmp_path, capsys):
+    from allocator.serving.models import CONFIG_DIR
+
+    config = tmp_path / "bom.json"
+    config.write_bytes(b"\xef\xbb\xbf" + (CONFIG_DIR / "tiny-qwen2.json").read_bytes())
+    argv = _as_model(config, tmp_path) + ["--json"]
+    assert exit_code(argv) == 0
+    with_mark = json.loads(capsys.readouterr().out)["results"][0]
+    argv[argv.index("--model") + 1] = "tiny-qwen2"
+    assert exit_code(argv) == 0
+    plain = json.loads(capsys.readouterr().out)["results"][0]
+    for key in ("kv_pool_tokens", "duration_s", "output_tps"):
+        assert with_mark[key] == plain[key], key
 
 
 # ------------------------------------------------------------------------ allocator options
@@ -279,7 +356,8 @@ def _fuzz_trace(rng: random.Random, prefixed: bool = False) -> bytes:
 # option -> (ordinary values, extreme values the parser takes, values it must refuse)
 SIMULATE_OPTIONS = {
     "--requests": (["1", "3", "6"], [], ["0", "-1", "nan", "1e3"]),
-    "--rate": (["1", "0.5,2"], ["1e-300", "1e300", "1e-9,1e9"], ["0", "-1", "nan", "1,inf", ""]),
+    "--rate": (["1", "0.5,2"], ["1e-300", "5e-324", "1e300", "1e-9,1e9"],
+               ["0", "-1", "nan", "1,inf", ""]),
     "--time-scale": (["1", "0.1"], ["1e-300", "1e300"], ["0", "nan", "inf"]),
     "--seed": (["0", "7"], [str(2**63 - 1)], ["-1", str(2**63), "1.5"]),
     "--policy": (["odma", "static", "paged", "s3", "oracle", "elastic", "odma,paged"], [],
@@ -295,7 +373,7 @@ SIMULATE_OPTIONS = {
     "--max-batch": (["1", "2", "256"], ["1000000000"], ["0"]),
     "--page-tokens": (["1", "16"], ["4096", "1000000000"], ["0"]),
     "--kv-pool-gb": (["0.5", "4"], ["1e-9", "8.7", "1e9"], ["0", "nan", "-1"]),
-    "--mfu": (["0.5", "1"], ["1e-300"], ["2", "0", "nan"]),
+    "--mfu": (["0.5", "1"], ["0.001"], ["2", "0", "nan", "1e-300", "5e-324"]),
     "--memory-utilization": (["0.9", "1"], ["0.01"], ["2", "0"]),
     "--tp": (["1", "2"], ["64", "1000000"], ["0"]),
     "--replicas": (["1", "3"], ["100000"], ["0"]),
@@ -312,13 +390,16 @@ PREFIX_OPTIONS = {
     "--cache-disk-gb": (["0", "64"], ["1e20", "1e300"], ["inf"]),
     "--prefetch": (["0", "2"], ["1000000000"], ["-1"]),
     "--eviction": (["lru", "fifo", "random"], [], ["x"]),
-    "--pcie-gbps": (["25"], ["1e-300", "1e300"], ["0"]),
-    "--disk-read-gbps": (["3"], ["1e-300", "1e300"], ["0"]),
+    "--pcie-gbps": (["25"], ["0.001", "1e6"], ["0", "1e-300", "1e300"]),
+    "--disk-read-gbps": (["3"], ["0.001", "1e6"], ["0", "1e-300", "1e300"]),
+    "--disk-write-gbps": (["2"], ["0.001", "1e6"], ["0", "1e-320"]),
 }
 REPLAY_OPTIONS = {name: SIMULATE_OPTIONS[name] for name in (
     "--policy", "--buckets", "--alpha", "--tau", "--large-share", "--predictor",
     "--bucket-rule", "--cold-start")}
 REPLAY_OPTIONS["--policy"] = (["odma", "static", "s3", "paged", "oracle"], [], ["magic"])
+REPLAY_OPTIONS["--step-seconds"] = (["0.05"], ["1e-9", "1e-30", "1e300"], ["0", "nan", "inf"])
+REPLAY_OPTIONS["--rate"] = (["1"], ["1e-300", "5e-324", "1e300"], ["0", "nan"])
 WORKLOAD_OPTIONS = {    # ordinary sizes stay small: a fuzz case is quick
     "--requests": (["1", "50"], [], ["0", "-5", "nan", "1e3", "10000001", "1000000000"]),
     "--prefixes": (["1", "3"], ["10000000"], ["0", "1000000000000"]),
@@ -437,3 +518,25 @@ def test_a_swap_space_no_byte_count_holds_is_refused_as_it_is_parsed(command, ch
     assert exit_code(argv + ["1e300"]) == 2
     assert "--swap-space" in one_line(capsys)
     assert build_parser().parse_args(argv + ["9.2e9"]).swap_space == 9.2e9
+
+
+@pytest.mark.parametrize("option, value", [("--mfu", "1e-300"), ("--mfu", "5e-324"),
+                                           ("--pcie-gbps", "1e-300"),
+                                           ("--disk-read-gbps", "1e-320")])
+def test_an_efficiency_or_bandwidth_no_card_may_hold_is_refused_as_it_is_parsed(
+        option, value, chat_trace, capsys):
+    """A card file refuses an MFU below 0.001 and a bandwidth below 1 MB/s; the same figure
+    given as an option once made every latency 1e300 s or NaN, with exit 0."""
+    argv = ["simulate", "--trace", chat_trace, "--prefix-cache", option, value]
+    assert exit_code(argv) == 2
+    assert option in one_line(capsys)
+
+
+def test_a_replay_step_finer_than_a_count_of_steps_holds_is_refused(tmp_path, capsys):
+    path = tmp_path / "t.csv"
+    path.write_text("num_prefill_tokens,num_decode_tokens,arrived_at\n10,5,0\n20,5,100\n")
+    argv = ["replay", "--trace", str(path), "--device", "none", "--json"]
+    assert exit_code(argv + ["--step-seconds", "1e-30"]) == 2
+    assert "--step-seconds 1e-30" in one_line(capsys)
+    assert exit_code(argv + ["--step-seconds", "1e-9"]) == 0       # 1e11 steps: still a count
+    assert json.loads(capsys.readouterr().out)["steps"] > 10**11

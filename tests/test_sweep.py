@@ -182,6 +182,40 @@ def test_unknown_options_and_values_are_refused_before_any_cell_runs(
     assert not out.exists()
 
 
+# what each command refuses only once it looks at all its values together (a queue depth, a TP
+# the model's heads do not split into, a --max-tokens below the trace's longest request)
+CELL_CHECKS = [
+    ("emulate", 'queue = [32, 0]', "cell 1 (queue=0): queue: queue depth"),
+    ("emulate", 'seed = [-1]', "cell 0 (seed=-1): seed: seed must be a non-negative"),
+    ("emulate", 'write-high = [2.0]', "write high watermark must be a fraction"),
+    ("emulate", 'write-ratio = ["nan"]', "--write-ratio must be in [0, 1]"),
+    ("emulate", 'threads = [0]', "threads must be a positive integer"),
+    ("emulate", 'granularity = [64, 3]', "cell 1 (granularity=3): traffic: granularity 3"),
+    ("emulate", 'footprint = [3]', "footprint 3 is smaller"),
+    ("simulate", 'tp = [3]', "cell 0 (tp=3): simulate: --tp 3 does not split"),
+    ("simulate", 'memory-utilization = [2.0]', "memory utilization must be in (0, 1]"),
+    ("simulate", 'kv-pool-gb = [1e30]', "does not fit on a mlu370-x4 card"),
+    ("simulate", 'prefix-cache = [true]', "names no prefixes"),
+    ("replay", 'max-tokens = [1]', "cell 0 (max-tokens=1): replay: --max-tokens 1 is below"),
+    ("replay", 'device = ["none", "bogus"]', "cell 1 (device=bogus): replay: unknown device"),
+    ("replay", 'step-seconds = [1e-30]', "more steps than a count holds"),
+]
+
+
+@pytest.mark.parametrize("command, axes, says", CELL_CHECKS, ids=lambda x: x[:24])
+def test_what_a_cell_refuses_as_a_whole_is_refused_before_any_cell_runs(
+        tmp_path, capsys, no_ray, command, axes, says):
+    trace = tmp_path / "t.csv"
+    trace.write_text("num_prefill_tokens,num_decode_tokens,arrived_at\n10,5,0\n20,5,100\n")
+    fixed = "" if command == "emulate" else f'[fixed]\ntrace = "{trace}"\n'
+    grid = write_grid(tmp_path / "g.toml", f'command = "{command}"\n{fixed}[axes]\n{axes}\n')
+    out = tmp_path / "out"
+    assert main(["sweep", grid, "--out", str(out), "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and says in err, err
+    assert not out.exists()
+
+
 def test_a_missing_trace_is_refused_naming_the_cell(tmp_path, capsys, no_ray):
     grid = write_grid(tmp_path / "g.toml", 'command = "replay"\n[axes]\n'
                       f'trace = ["{REPO}/nowhere.csv"]\npolicy = ["odma"]\n')
@@ -436,6 +470,19 @@ def test_a_folder_where_an_output_file_goes_fails_in_one_line_before_any_cell(
     assert err.count("\n") == 1 and "it is a folder" in err and folder in err, err
 
 
+@pytest.mark.parametrize("where", ["file", "under a file", "empty"])
+def test_an_out_no_folder_can_be_is_bad_usage_in_one_line_before_any_cell(
+        tmp_path, capsys, no_cell_runs, where):
+    grid = write_grid(tmp_path / "g.toml", 'command = "emulate"\n[axes]\nrequests = [10]\n')
+    (tmp_path / "afile").write_text("")
+    out = {"file": str(tmp_path / "afile"), "under a file": str(tmp_path / "afile" / "x" / "y"),
+           "empty": ""}[where]
+    assert main(["sweep", grid, "--out", out]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--out" in err, err
+    assert (tmp_path / "afile").read_text() == "" and not (tmp_path / "g-sweep").exists()
+
+
 def test_an_out_that_cannot_be_made_fails_in_one_line_before_any_cell(tmp_path, capsys,
                                                                       no_cell_runs):
     if not os.path.isdir("/sys/kernel"):
@@ -675,34 +722,38 @@ def local_ray():
 
 def test_a_small_emulate_sweep_on_two_workers(tmp_path, capsys, local_ray):
     pytest.importorskip("matplotlib")
-    grid = write_grid(tmp_path / "emu.toml", """
+    grid_text = """
         command = "emulate"
         [fixed]
         requests = 3000
         [axes]
         pattern = ["seq", "rand"]
-        granularity = [48, 64, 128]
-        """)
+        granularity = [{}, 64, 128]
+        """
     out, png = tmp_path / "res", tmp_path / "eff.png"
-    # 48 B is no multiple of the 32 B burst: those cells fail at run time, the others go on
-    assert main(["sweep", grid, "--out", str(out), "--plot", str(png)]) == 3
+    # 48 B is no multiple of the 32 B burst: refused before any cell runs
+    grid = write_grid(tmp_path / "bad.toml", grid_text.format(48))
+    assert main(["sweep", grid, "--out", str(out), "--plot", str(png)]) == 2
+    err = capsys.readouterr().err
+    assert "cell 0 (pattern=seq granularity=48)" in err and "multiple of the 32-byte burst" in err
+    assert not out.exists()
+    grid = write_grid(tmp_path / "emu.toml", grid_text.format(32))
+    assert main(["sweep", grid, "--out", str(out), "--plot", str(png)]) == 0
     captured = capsys.readouterr()
-    assert "2 of 6 cells failed" in captured.err and "4 ok, 2 failed" in captured.out
+    assert "6 ok, 0 failed" in captured.out
     table = [line.split() for line in captured.out.splitlines()[:7]]
     assert table[0] == ["cell", "pattern", "granularity", "efficiency"]
     assert [line[:3] for line in table[1:]] == [
-        ["0", "seq", "48"], ["1", "seq", "64"], ["2", "seq", "128"], ["3", "rand", "48"],
+        ["0", "seq", "32"], ["1", "seq", "64"], ["2", "seq", "128"], ["3", "rand", "32"],
         ["4", "rand", "64"], ["5", "rand", "128"]]
-    assert table[1][3] == "failed" and 0 < float(table[2][3]) <= 1
+    assert all(0 < float(line[3]) <= 1 for line in table[1:])
     rows = read_csv(out / "results.csv")
     assert [(r["cell"], r["pattern"], r["granularity"], r["status"]) for r in rows] == [
-        ("0", "seq", "48", "failed"), ("1", "seq", "64", "ok"), ("2", "seq", "128", "ok"),
-        ("3", "rand", "48", "failed"), ("4", "rand", "64", "ok"), ("5", "rand", "128", "ok")]
-    assert "not a multiple of the 32-byte burst" in rows[0]["error"]
-    ok = [r for r in rows if r["status"] == "ok"]
-    assert all(0 < float(r["efficiency"]) <= 1 for r in ok)
-    assert all(r["requests"] == "3000" and r["out.pattern"] == r["pattern"] for r in ok)
-    assert float(ok[0]["efficiency"]) > float(ok[2]["efficiency"])  # seq beats rand at 64 B
+        ("0", "seq", "32", "ok"), ("1", "seq", "64", "ok"), ("2", "seq", "128", "ok"),
+        ("3", "rand", "32", "ok"), ("4", "rand", "64", "ok"), ("5", "rand", "128", "ok")]
+    assert all(0 < float(r["efficiency"]) <= 1 for r in rows)
+    assert all(r["requests"] == "3000" and r["out.pattern"] == r["pattern"] for r in rows)
+    assert float(rows[1]["efficiency"]) > float(rows[4]["efficiency"])  # seq beats rand at 64 B
     assert {"commands.act", "config.seed", "hash", "command_line"} <= set(rows[0])
     assert len(read_log(out / "results.jsonl")) == 6
     meta = json.loads((out / "sweep.json").read_text())

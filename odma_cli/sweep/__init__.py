@@ -282,12 +282,17 @@ def run_sweep(grid_path: str, *, out: str | None = None, workers: int | None = N
         view = check_plot(grid, plot_path, plot_x, plot_series, plot_fix)
     the_plan = plan(grid)
     cells = the_plan.cells
-    out = out or default_out(grid_path)
+    if out == "":
+        raise BadArgument("--out is empty: give a folder, or leave --out out for the default")
+    out = default_out(grid_path) if out is None else out
     log_path = os.path.join(out, RESULTS)
     given_metric = metric
     metric = metric or default_metric(grid.command)
-    if os.path.exists(out) and not os.path.isdir(out):
-        raise BadArgument(f"--out {out!r} is a file, not a folder")
+    existing = out                      # --out, or the nearest folder above it that exists
+    while existing and not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if existing and not os.path.isdir(existing):
+        raise BadArgument(f"--out {out!r}: {existing} is a file, not a folder")
     # any byte in the log, even a torn line, is a sweep that ran here: never append silently
     if log_holds_anything(log_path) and not resume and not dry_run:
         raise BadArgument(f"{out} already holds sweep results: --resume completes them; remove "

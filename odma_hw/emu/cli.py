@@ -86,6 +86,12 @@ def _int(text: str, what: str) -> int:
     return value
 
 
+def _write_ratio(wr):
+    if wr is not None and not 0.0 <= wr <= 1.0:         # NaN compares false: refused too
+        raise BadArgument(f"--write-ratio must be in [0, 1], not {wr}")
+    return wr
+
+
 class _Progress:
     """How far a long run is, on stderr: a first line once the arguments are accepted, then the
     timing run's progress, one line updated in place on a terminal (each percent), otherwise one
@@ -131,9 +137,7 @@ def compute(args) -> dict:
     granularity = _int(args.granularity, "--granularity")
     requests = _int(args.requests, "--requests")
     footprint = _int(args.footprint, "--footprint") if args.footprint is not None else None
-    wr = args.write_ratio
-    if wr is not None and not 0.0 <= wr <= 1.0:
-        raise BadArgument(f"--write-ratio must be in [0, 1], not {wr}")
+    wr = _write_ratio(args.write_ratio)
     progress = _Progress(sys.stderr, args.spec) if requests > 2_000_000 and not args.json else None
     try:
         stats = emulate(args.spec, args.pattern, granularity, requests,
@@ -176,15 +180,45 @@ def _print_table(d: dict) -> int:
 
 
 def sweep_checks() -> list[ValueCheck]:
-    """What compute() refuses before any work (see odma_cli/commands.py)."""
+    """What compute() refuses before any work (see odma_cli/commands.py), each check reading
+    only the options it needs, so that a grid's checks run per distinct value, not per cell."""
+    from odma_hw.emu import model
+    from odma_hw.emu.mapping import address_map
     from odma_hw.emu.specs import device_spec
 
+    device_options = ("spec", "mode", "bl", "channels", "interleave")
+
+    def device(a):
+        return device_spec(a.spec, mode=a.mode, bl=a.bl, channels=a.channels,
+                           interleave=a.interleave)
+
+    def controller(a):
+        model.controller_options(device(a), a.refresh, a.page_policy, a.scheduler, a.queue,
+                                 a.wck_always_on, queue_unit=a.queue_unit,
+                                 write_high=a.write_high, write_low=a.write_low)
+
+    def traffic(a):
+        dev = device(a)
+        amap, granularity = address_map(dev, a.map), _int(a.granularity, "--granularity")
+        if a.trace is not None:
+            model.user_trace(dev, amap, a.trace, granularity)
+            return
+        footprint = None if a.footprint is None else _int(a.footprint, "--footprint")
+        model.check_generated(dev, amap, a.pattern, granularity, _int(a.requests, "--requests"),
+                              footprint, seed=0)        # the seed is checked on its own
+
     return [
-        ValueCheck("spec", ("spec", "mode", "bl", "channels", "interleave"),
-                   lambda a: device_spec(a.spec, mode=a.mode, bl=a.bl, channels=a.channels,
-                                         interleave=a.interleave)),
+        ValueCheck("spec", device_options, device),
+        ValueCheck("queue", device_options + ("refresh", "page_policy", "scheduler", "queue",
+                                              "wck_always_on", "queue_unit", "write_high",
+                                              "write_low"), controller),
         ValueCheck("granularity", ("granularity",),
                    lambda a: _int(a.granularity, "--granularity")),
         ValueCheck("requests", ("requests",), lambda a: _int(a.requests, "--requests")),
         ValueCheck("footprint", ("footprint",),
-                   lambda a: a.footprint is None or _int(a.footprint, "--footprint"))]
+                   lambda a: a.footprint is None or _int(a.footprint, "--footprint")),
+        ValueCheck("seed", ("seed",), lambda a: model.check_seed(a.seed)),
+        ValueCheck("write-ratio", ("write_ratio",), lambda a: _write_ratio(a.write_ratio)),
+        ValueCheck("threads", ("threads",), lambda a: model.check_threads(a.threads)),
+        ValueCheck("traffic", device_options + ("map", "pattern", "granularity", "requests",
+                                                "footprint", "trace"), traffic)]

@@ -72,9 +72,11 @@ _TRACE_BYTES = 17
 _ACCESS_BYTES = 13
 
 
-def _options(dev: DeviceSpec, refresh: str, page_policy: str, scheduler: str, queue: int,
-             wck_always_on: bool, *, queue_unit: str = "burst", write_high: float = 0.8,
-             write_low: float = 0.2) -> np.ndarray:
+def controller_options(dev: DeviceSpec, refresh: str, page_policy: str, scheduler: str,
+                       queue: int, wck_always_on: bool, *, queue_unit: str = "burst",
+                       write_high: float = 0.8, write_low: float = 0.2) -> np.ndarray:
+    """The controller's options as the timing loop takes them, every one checked: BadArgument
+    otherwise."""
     if refresh not in REFRESH:
         raise BadArgument(f"unknown refresh mode {refresh!r}: expected allbank, perbank or none")
     if refresh == "perbank" and derive(dev.channel).nRFCpb == 0:
@@ -143,17 +145,16 @@ def emulate(spec: str = "lpddr5-6400", pattern: str = "rand", granularity: int =
     dev = device_spec(spec, mode=mode, bl=bl, channels=channels, interleave=interleave)
     ch = dev.channel
     amap = address_map(dev, address_map_name)
-    opt = _options(dev, refresh, page_policy, scheduler, queue, wck_always_on,
+    opt = controller_options(dev, refresh, page_policy, scheduler, queue, wck_always_on,
                    queue_unit=queue_unit, write_high=write_high, write_low=write_low)
-    if threads is not None and (not _is_int(threads) or threads < 1):
-        raise BadArgument(f"threads must be a positive integer, not {threads!r}")
+    check_threads(threads)
     if not _is_int(record) or record < 0:
         raise BadArgument(f"record must be a non-negative integer, not {record!r}")
     if trace is None:
         tr = _generated_trace(dev, amap, pattern, granularity, requests, footprint, seed,
                               write_ratio, progress, pattern_args)
     else:
-        tr = _user_trace(dev, amap, trace, granularity, progress)
+        tr = user_trace(dev, amap, trace, granularity, progress)
         pattern = "trace"
 
     tp = state.pack(derive(ch))
@@ -178,15 +179,23 @@ def emulate(spec: str = "lpddr5-6400", pattern: str = "rand", granularity: int =
                            seed=seed))
 
 
-def _generated_trace(dev, amap, pattern, granularity, requests, footprint, seed, write_ratio,
-                     progress, pattern_args) -> Trace:
-    """The trace of `requests` requests of `pattern` that emulate() runs, every argument and
-    the memory it needs checked first."""
+def check_threads(threads) -> None:
+    if threads is not None and (not _is_int(threads) or threads < 1):
+        raise BadArgument(f"threads must be a positive integer, not {threads!r}")
+
+
+def check_seed(seed) -> None:
+    if not _is_int(seed) or seed < 0:
+        raise BadArgument(f"seed must be a non-negative integer, not {seed!r}")
+
+
+def check_generated(dev, amap, pattern, granularity, requests, footprint, seed) -> tuple:
+    """(requests, footprint in bytes) of a generated trace of `pattern`, every argument and the
+    memory its run needs checked: BadArgument otherwise."""
     burst = dev.channel.burst_bytes
     if pattern not in PATTERNS:
         raise BadArgument(f"unknown pattern {pattern!r}: expected one of {', '.join(PATTERNS)}")
-    if not _is_int(seed) or seed < 0:
-        raise BadArgument(f"seed must be a non-negative integer, not {seed!r}")
+    check_seed(seed)
     fp = dev.total_bytes if footprint is None else int(footprint)
     if fp > dev.total_bytes or fp <= 0:
         raise BadArgument(f"footprint {fp} must be in (0, {dev.total_bytes}] bytes")
@@ -195,13 +204,21 @@ def _generated_trace(dev, amap, pattern, granularity, requests, footprint, seed,
     accesses = n * max_accesses(amap, int(granularity), aligned=True)
     _check_memory(f"{n} requests of {granularity} B", accesses,
                   max(_GENERATOR_BYTES * n, _TRACE_BYTES * n + _ACCESS_BYTES * accesses))
+    return n, fp
+
+
+def _generated_trace(dev, amap, pattern, granularity, requests, footprint, seed, write_ratio,
+                     progress, pattern_args) -> Trace:
+    """The trace of `requests` requests of `pattern` that emulate() runs (check_generated's
+    checks first)."""
+    n, fp = check_generated(dev, amap, pattern, granularity, requests, footprint, seed)
     if progress is not None:
         progress("trace", 0, n)
-    return generate(pattern, n, granularity, footprint=fp, burst=burst,
+    return generate(pattern, n, granularity, footprint=fp, burst=dev.channel.burst_bytes,
                     write_ratio=write_ratio, seed=seed, **pattern_args)
 
 
-def _user_trace(dev, amap, trace, granularity, progress) -> Trace:
+def user_trace(dev, amap, trace, granularity, progress=None) -> Trace:
     """A user's trace (a Trace or the path of a text trace) as emulate() runs it, checked
     against the device and the memory it needs first."""
     burst = dev.channel.burst_bytes

@@ -14,6 +14,7 @@ import numpy as np
 from odma_cli.errors import (BadArgument, DeviceError, DeviceUnavailable, OdmaError, RunFailed,
                              error_line)
 
+from allocator.predictors import PREDICTORS
 from allocator.serving.cards.measure import BUSY_OTHER_SHARE, OtherLoad
 from allocator.serving.core.metrics import ENGINE_METRICS
 from allocator.serving.models import (DTYPES, check_attention_window, check_memory, check_weights,
@@ -447,7 +448,8 @@ def register(subparsers) -> None:
                         "streaming (default: the token alignment, 16 tokens)")
     p.add_argument("--extent-knee-tokens", type=argtypes.positive_int, default=None,
                    metavar="N", help="extent and elastic's knee in tokens (overrides --card)")
-    p.add_argument("--predictor", default="online", help="ODMA's length predictor")
+    p.add_argument("--predictor", default="online", choices=list(PREDICTORS),
+                   help="ODMA's length predictor (default online)")
     add_scheduling_arguments(p)
     add_memory_utilization_argument(p)
     p.add_argument("--kv-pool-gb", type=argtypes.positive_float, default=None, metavar="GB",

@@ -15,13 +15,14 @@ import dataclasses
 import sys
 
 from odma_cli import argtypes, jsonout, plotting
-from odma_cli.commands import ValueCheck
+from odma_cli.commands import ValueCheck, option_dests
 from odma_cli.errors import BadArgument, RunFailed
 from odma_hw.emu import cli as emulate_cli
 
 from allocator.config import AllocatorConfig
 from allocator.policies import POLICIES
 from allocator.replay import add_policy_arguments
+from allocator.serving.cards.datafile import BANDWIDTH_GBPS, FRACTION
 from allocator.serving.cards.presets import (DEFAULT_MODEL, DTYPE_BYTES, MODELS, MODEL_ALIASES,
                                              accelerator, auto_dtype, card_names, model_spec)
 from allocator.serving.cards.profiles import engine_profile as load_engine_profile
@@ -245,7 +246,12 @@ def sweep_checks() -> list[ValueCheck]:
             ValueCheck("scheduling", ("max_batch", "max_num_batched_tokens", "concurrency",
                                       "replicas"), scheduling),
             ValueCheck("timing", ("timing", "card", "device", "channels", "interleave"),
-                       timing)]
+                       timing),
+            # last, and once per distinct cell: all that simulate() checks short of measuring
+            # (a TP the model's heads do not split into, a pool larger than the card, a prefix
+            # cache on a trace without prefixes), as the cell itself would check it
+            ValueCheck("simulate", option_dests(register, "simulate"),
+                       lambda a: compute(a, check_only=True))]
 
 
 def register(subparsers) -> None:
@@ -338,13 +344,16 @@ def _add_serving_arguments(p) -> None:
                         "instead of refusing the trace")
     add_length_caps(p)
     add_scheduling_arguments(p)
-    p.add_argument("--mfu", type=argtypes.positive_float, default=None,
-                   help=f"prefill compute efficiency, in (0, 1] (default: the card's mfu, "
-                        f"else {DEFAULT_MFU})")
+    p.add_argument("--mfu", type=argtypes.between(FRACTION.low, FRACTION.high), default=None,
+                   help=f"prefill compute efficiency, in [{FRACTION.low:g}, {FRACTION.high:g}] "
+                        f"(default: the card's mfu, else {DEFAULT_MFU})")
     add_memory_utilization_argument(p)
     p.add_argument("--kv-pool-gb", type=argtypes.positive_float, default=None, metavar="GB",
                    help="KV pool per card in GB of 1e9 B (default: what the weights leave of "
                         "--memory-utilization of the card, the engine's rule too)")
+
+
+BANDWIDTH = argtypes.between(BANDWIDTH_GBPS.low, BANDWIDTH_GBPS.high)
 
 
 def _add_prefix_cache_arguments(p) -> None:
@@ -363,10 +372,10 @@ def _add_prefix_cache_arguments(p) -> None:
                    help="admission order: FCFS, fastest-prefix-first (may starve), relaxed FPF")
     c.add_argument("--prefetch", type=argtypes.count, default=0, metavar="N",
                    help="prefetch the prefixes of the next N queued requests (default 0: off)")
-    c.add_argument("--pcie-gbps", type=argtypes.positive_float, default=25.0,
+    c.add_argument("--pcie-gbps", type=BANDWIDTH, default=25.0,
                    help="host <-> device bandwidth, of the prefix cache's host tier and of "
                         "swapped KV (default 25: PCIe 4.0 x16 effective)")
-    c.add_argument("--disk-read-gbps", type=argtypes.positive_float, default=3.0,
+    c.add_argument("--disk-read-gbps", type=BANDWIDTH, default=3.0,
                    help="disk tier read bandwidth (default 3: an NVMe SSD)")
-    c.add_argument("--disk-write-gbps", type=argtypes.positive_float, default=2.0,
+    c.add_argument("--disk-write-gbps", type=BANDWIDTH, default=2.0,
                    help="disk tier write bandwidth (default 2)")

@@ -23,6 +23,7 @@ from odma_cli.errors import BadArgument
 from allocator.config import AllocatorConfig
 from allocator.policies import make_allocator
 from allocator.policies import policy as policy_spec
+from allocator.serving.cards.datafile import BANDWIDTH_GBPS, FRACTION
 from allocator.serving.cards.presets import DTYPE_BYTES, Accelerator, ModelSpec, auto_dtype
 from allocator.serving.core.build import SchedulingOptions, build_scheduler
 from allocator.serving.core.checks import check_scheduling
@@ -87,10 +88,10 @@ class ServingSetup:
         check_scheduling(self.max_batch, self.max_batched_tokens, self.concurrency,
                          preemption=self.preemption, swap_bytes=self.swap_bytes,
                          cobatch=self.cobatch)
-        if not (self.swap_gbps > 0 and math.isfinite(self.swap_gbps)):
-            raise BadArgument(f"swap_gbps must be a finite number > 0, got {self.swap_gbps}")
-        if not 0 < self.mfu <= 1:
-            raise BadArgument(f"mfu must be in (0, 1], got {self.mfu}")
+        if self.swap_gbps not in BANDWIDTH_GBPS:
+            raise BadArgument(f"swap_gbps must be {BANDWIDTH_GBPS}, got {self.swap_gbps}")
+        if self.mfu not in FRACTION:
+            raise BadArgument(f"mfu must be {FRACTION}, got {self.mfu}")
         if not 0 < self.memory_utilization <= 1:
             raise BadArgument(f"memory utilization must be in (0, 1], got "
                               f"{self.memory_utilization}")
@@ -184,11 +185,14 @@ class PrefixSettings:
         if self.schedule not in SCHEDULES:
             raise BadArgument(f"unknown prefix schedule {self.schedule!r}: expected one of "
                               f"{', '.join(SCHEDULES)}")
-        for name in ("device_gb", "host_gb", "disk_gb", "host_to_device_gbps",
-                     "device_to_host_gbps", "disk_read_gbps", "disk_write_gbps"):
+        for name in ("device_gb", "host_gb", "disk_gb"):
             v = getattr(self, name)
             if not (v >= 0 and math.isfinite(v)):
                 raise BadArgument(f"{name} must be a finite number >= 0, got {v}")
+        for name in ("host_to_device_gbps", "device_to_host_gbps", "disk_read_gbps",
+                     "disk_write_gbps"):
+            if getattr(self, name) not in BANDWIDTH_GBPS:
+                raise BadArgument(f"{name} must be {BANDWIDTH_GBPS}, got {getattr(self, name)}")
         for name in ("device_gb", "host_gb", "disk_gb"):
             if getattr(self, name) * 1e9 > MAX_TIER_BYTES:
                 raise BadArgument(f"{name} must be at most {MAX_TIER_BYTES / 1e9:.3g} GB (a "
