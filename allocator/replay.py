@@ -305,5 +305,6 @@ def register(subparsers) -> None:
                    help="seconds per decode step (maps arrival times to steps)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--series", action="store_true", help="with --json: include the time series")
-    p.add_argument("--plot", metavar="PNG", help="plot occupancy, fragmentation, concurrency")
+    p.add_argument("--plot", type=argtypes.nonempty, metavar="PNG",
+                   help="plot occupancy, fragmentation, concurrency")
     p.set_defaults(func=_cmd)

@@ -24,6 +24,13 @@ def _number(text: str, kind):
             f"{'an integer' if kind is int else 'a number'} is needed, not {text!r}") from None
 
 
+def nonempty(text: str) -> str:
+    """A path or a name: an empty one would silently mean the default, or nothing."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must not be empty")
+    return text
+
+
 def count(text: str) -> int:
     """An integer >= 0."""
     v = _number(text, int)

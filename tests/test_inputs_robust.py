@@ -18,7 +18,7 @@ import pytest
 
 from allocator.config import MAX_BUCKETS, AllocatorConfig
 from allocator.serving import workloads
-from allocator.trace import MAX_LINE_CHARS, load_trace
+from allocator.trace import MAX_LINE_CHARS, load_trace, write_trace
 from odma_cli.errors import BadArgument
 from odma_cli.main import main
 
@@ -88,9 +88,11 @@ def test_a_workload_path_that_cannot_be_written_is_bad_usage_before_any_work(
         raise AssertionError("the workload was generated before --out was checked")
     monkeypatch.setattr(workloads, "text_analysis", must_not_run)
     for out, message in ((tmp_path / "no" / "t.csv", "does not exist"),
-                         (tmp_path, "is a directory"), ("", "empty path")):
+                         (tmp_path, "is a directory"), ("", "must not be empty")):
         assert exit_code(["workload", "text-analysis", "--out", str(out)]) == 2
         assert message in one_line(capsys)
+    with pytest.raises(BadArgument, match="empty path"):       # the function, called directly
+        write_trace(workloads.chat(1, seed=1), "")
 
 
 # ------------------------------------------------------------------------ workload options
@@ -540,3 +542,28 @@ def test_a_replay_step_finer_than_a_count_of_steps_holds_is_refused(tmp_path, ca
     assert "--step-seconds 1e-30" in one_line(capsys)
     assert exit_code(argv + ["--step-seconds", "1e-9"]) == 0       # 1e11 steps: still a count
     assert json.loads(capsys.readouterr().out)["steps"] > 10**11
+
+
+@pytest.mark.parametrize("argv", [
+    ["replay", "--trace", "{trace}", "--device", "none", "--plot", ""],
+    ["simulate", "--trace", "{trace}", "--plot", " "],
+    ["simulate", "--trace", "{trace}", "--timing", ""],
+    ["advise", "--trace", "{trace}", "--plot", ""],
+    ["probe", "--device", "emu:lpddr5-6400", "--plot", ""],
+    ["workload", "chat", "--out", ""],
+    ["calibrate", "--out", ""],
+    ["sweep", "g.toml", "--out", ""],
+], ids=lambda argv: " ".join(argv[:1] + argv[-2:-1]))
+def test_an_empty_path_or_name_is_refused_not_taken_for_the_default(argv, chat_trace, capsys):
+    """An empty --plot drew no plot, an empty --timing took the card's, an empty sweep --out
+    wrote to the default folder: each said nothing."""
+    argv = [a.format(trace=chat_trace) for a in argv]
+    assert exit_code(argv) == 2
+    line = one_line(capsys)
+    assert argv[-2] in line and "must not be empty" in line
+
+
+@pytest.mark.parametrize("command", ["simulate", "advise", "engine"])
+def test_a_kv_pool_no_card_may_hold_is_refused_naming_the_option(command, chat_trace, capsys):
+    assert exit_code([command, "--trace", chat_trace, "--kv-pool-gb", "1e-300"]) == 2
+    assert "--kv-pool-gb: must be a number in [1e-06, 1e+06]" in one_line(capsys)

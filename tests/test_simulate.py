@@ -273,7 +273,7 @@ def test_several_cards_run_in_turn_a_table_each(small_trace, capsys, tmp_path, m
     (["--max-model-len", "200000"], "context"),
     (["--tp", "3"], "28 query and 4 KV heads"),       # vLLM refuses an uneven split too
     (["--tp", "8"], "28 query and 4 KV heads"),
-    (["--kv-pool-gb", "1e9"], "does not fit on a mlu370-x4 card"),
+    (["--kv-pool-gb", "1000"], "does not fit on a mlu370-x4 card"),
     (["--plot", "/proc/x.png"], "cannot write there"),
     (["--page-tokens", "1000000000"], "pool too small"),
     (["--kv-pool-gb", "1e-9"], "pool"),

@@ -16,6 +16,7 @@ from odma_cli import argtypes
 from odma_cli.errors import BadArgument
 
 from allocator.policies import POLICIES, policy
+from allocator.serving.cards.datafile import BANDWIDTH_GBPS, CAPACITY_GB
 from allocator.serving.cards.presets import (DEFAULT_CARD, DTYPE_SPELLINGS, accelerator,
                                              card_names)
 from allocator.serving.cards.profiles import profile_names
@@ -258,6 +259,11 @@ def add_length_caps(p) -> None:
                         "--clip; an engine run on a CPU takes minutes, not hours)")
     p.add_argument("--output-cap", type=argtypes.positive_int, default=None, metavar="N",
                    help="make at most N tokens per request")
+
+
+# the types of the options that give a quantity a card file also gives: the card's ranges
+BANDWIDTH_GBPS_TYPE = argtypes.between(BANDWIDTH_GBPS.low, BANDWIDTH_GBPS.high)
+POOL_GB_TYPE = argtypes.between(CAPACITY_GB.low, CAPACITY_GB.high)
 
 
 def add_memory_utilization_argument(p) -> None:

@@ -176,7 +176,8 @@ def register(subparsers) -> None:
                     "multi-turn conversations). Lengths follow documented distributions; see "
                     "allocator/serving/workloads.py.")
     p.add_argument("kind", choices=list(WORKLOADS))
-    p.add_argument("--out", required=True, metavar="CSV", help="file to write")
+    p.add_argument("--out", type=argtypes.nonempty, required=True, metavar="CSV",
+                   help="file to write")
     p.add_argument("--requests", type=_at_most(MAX_TRACE_REQUESTS), default=2000,
                    help="text-analysis: requests k (default 2000)")
     p.add_argument("--prefixes", type=_at_most(MAX_TRACE_REQUESTS), default=128,

@@ -387,7 +387,7 @@ def register(subparsers) -> None:
         "sweep", help="run a grid of command lines of any sweepable command on Ray",
         description=__doc__.split("\n\n")[0] + " Needs Ray: " + INSTALL_HINT + ".")
     p.add_argument("grid", metavar="GRID", help="grid file: .toml, .yaml or .json")
-    p.add_argument("--out", metavar="DIR", default=None,
+    p.add_argument("--out", type=argtypes.nonempty, metavar="DIR", default=None,
                    help="results folder (default: next to GRID, <grid name>-sweep)")
     p.add_argument("--resume", action="store_true",
                    help="keep the cells already recorded ok in --out; run the others (none "
@@ -404,7 +404,7 @@ def register(subparsers) -> None:
     p.add_argument("--metric", default=None, metavar="NAME",
                    help="column of the printed table and the plot (default: the command's "
                         f"own: {_default_metrics()}; else {FALLBACK_METRIC})")
-    p.add_argument("--plot", metavar="PNG", default=None,
+    p.add_argument("--plot", type=argtypes.nonempty, metavar="PNG", default=None,
                    help="draw --metric against --plot-x, a line per value of --plot-series, "
                         "the other axes held (--plot-fix)")
     p.add_argument("--plot-x", metavar="AXIS", default=None,

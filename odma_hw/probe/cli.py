@@ -296,7 +296,7 @@ def register(sub) -> None:
     p.add_argument("--reps", type=argtypes.positive_int,
                    help="timed repetitions after one warm-up (default 5)")
     p.add_argument("--json", action="store_true", help=f"print one JSON object (schema {SCHEMA})")
-    p.add_argument("--plot", metavar="FILE",
+    p.add_argument("--plot", type=argtypes.nonempty, metavar="FILE",
                    help="write bandwidth and ratio vs granularity (format from the extension, e.g. "
                         ".png, .svg, .pdf; checked before measuring)")
     p.add_argument("--quiet", action="store_true", help="no progress display")

@@ -405,7 +405,7 @@ def register(subparsers) -> None:
     p.add_argument("--device", default="torch:cpu", metavar="torch:DEV",
                    help="the torch device the engine runs on (default torch:cpu; torch:cuda:0, "
                         "torch:mlu:0)")
-    p.add_argument("--out", required=True, metavar="CARD.toml",
+    p.add_argument("--out", type=argtypes.nonempty, required=True, metavar="CARD.toml",
                    help="the card to write, TOML (CARD.toml) or JSON (CARD.json); its probe "
                         "file goes beside it (CARD.probe.json), and a link at either is "
                         "replaced, not followed. Checked before anything is measured")

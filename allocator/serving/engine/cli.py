@@ -19,8 +19,8 @@ from allocator.serving.cards.measure import BUSY_OTHER_SHARE, OtherLoad
 from allocator.serving.core.metrics import ENGINE_METRICS
 from allocator.serving.models import (DTYPES, check_attention_window, check_memory, check_weights,
                                       config_path, kv_bytes_per_token, load_config, shipped_configs)
-from allocator.serving.options import (SERVING_OPTION_UNITS, cap_lengths, clip_note, goodput_slo,
-                                       load_text, scheduler_text, summary_table)
+from allocator.serving.options import (POOL_GB_TYPE, SERVING_OPTION_UNITS, cap_lengths, clip_note,
+                                       goodput_slo, load_text, scheduler_text, summary_table)
 
 SCHEMA = "odma-hw.engine/1"
 ROW_KEYS = ("policy",)                  # what tells apart the rows of one run
@@ -452,7 +452,7 @@ def register(subparsers) -> None:
                    help="ODMA's length predictor (default online)")
     add_scheduling_arguments(p)
     add_memory_utilization_argument(p)
-    p.add_argument("--kv-pool-gb", type=argtypes.positive_float, default=None, metavar="GB",
+    p.add_argument("--kv-pool-gb", type=POOL_GB_TYPE, default=None, metavar="GB",
                    help="KV pool in GB of 1e9 B (default, simulate's rule: what the weights "
                         "leave of --memory-utilization of --card's capacity, at most of the "
                         "device's free memory; without --card, of the device's free memory; "

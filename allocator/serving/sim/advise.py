@@ -30,7 +30,7 @@ from allocator.serving.cards.presets import (DEFAULT_CARD, DEFAULT_MODEL, DTYPE_
                                              auto_dtype, model_spec)
 from allocator.serving.core.metrics import parse_goodput
 from allocator.serving.core.requests import fit_lengths
-from allocator.serving.options import (add_card_argument, add_dtype_argument,
+from allocator.serving.options import (POOL_GB_TYPE, add_card_argument, add_dtype_argument,
                                        add_engine_profile_argument, add_length_caps,
                                        add_preset_argument, cap_lengths, card_emu, cards_of,
                                        parse_policies)
@@ -449,7 +449,7 @@ def register(subparsers) -> None:
                    help=f"the p99 bounds a load must meet, in ms, among ttft, tpot, e2el "
                         f"(default {DEFAULT_SLO})")
     add_dtype_argument(p, DTYPE_BYTES, "weight type, as simulate takes it")
-    p.add_argument("--kv-pool-gb", type=argtypes.positive_float, default=None, metavar="GB",
+    p.add_argument("--kv-pool-gb", type=POOL_GB_TYPE, default=None, metavar="GB",
                    help="KV pool per card, GB of 1e9 B (default: what the weights leave of 0.9 "
                         "of the card)")
     p.add_argument("--max-batch", type=argtypes.positive_int, default=256,
@@ -471,7 +471,7 @@ def register(subparsers) -> None:
                    help="processes running the searches (default: this machine's CPUs; the "
                         "results do not depend on it)")
     p.add_argument("--json", action="store_true", help=f"print one JSON object ({SCHEMA})")
-    p.add_argument("--plot", metavar="PNG",
+    p.add_argument("--plot", type=argtypes.nonempty, metavar="PNG",
                    help="per card: tok/s, p99 TTFT and p99 TPOT against concurrency, one line "
                         "per policy (needs the plot extra: matplotlib)")
     p.set_defaults(func=_cmd)

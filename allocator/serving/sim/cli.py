@@ -22,7 +22,7 @@ from odma_hw.emu import cli as emulate_cli
 from allocator.config import AllocatorConfig
 from allocator.policies import POLICIES
 from allocator.replay import add_policy_arguments
-from allocator.serving.cards.datafile import BANDWIDTH_GBPS, FRACTION
+from allocator.serving.cards.datafile import FRACTION
 from allocator.serving.cards.presets import (DEFAULT_MODEL, DTYPE_BYTES, MODELS, MODEL_ALIASES,
                                              accelerator, auto_dtype, card_names, model_spec)
 from allocator.serving.cards.profiles import engine_profile as load_engine_profile
@@ -30,9 +30,10 @@ from allocator.serving.core.checks import check_scheduling
 from allocator.serving.core.metrics import SIMULATE_METRICS
 from allocator.serving.core.requests import fit_lengths
 from allocator.serving.models import shipped_configs
-from allocator.serving.options import (SERVING_OPTION_UNITS, add_card_argument,
-                                       add_dtype_argument, add_engine_profile_argument,
-                                       add_goodput_argument, add_length_caps,
+from allocator.serving.options import (BANDWIDTH_GBPS_TYPE, POOL_GB_TYPE, SERVING_OPTION_UNITS,
+                                       add_card_argument, add_dtype_argument,
+                                       add_engine_profile_argument, add_goodput_argument,
+                                       add_length_caps,
                                        add_memory_utilization_argument, add_preset_argument,
                                        add_scheduling_arguments, cap_lengths, card_emu, cards_of,
                                        check_options_used, goodput_slo, parse_policies)
@@ -287,7 +288,7 @@ def register(subparsers) -> None:
     p.add_argument("--json", action="store_true",
                    help=f"print one JSON object ({SCHEMA}; with --list {LIST_SCHEMA})")
     p.add_argument("--series", action="store_true", help="with --json: include time series")
-    p.add_argument("--plot", metavar="PNG",
+    p.add_argument("--plot", type=argtypes.nonempty, metavar="PNG",
                    help="tokens/s vs rate per policy; batch and KV occupancy over time")
     p.set_defaults(func=_cmd)
 
@@ -308,7 +309,7 @@ def _add_model_and_card_arguments(p) -> None:
                    help="tensor-parallel cards per replica (default 1)")
     p.add_argument("--replicas", type=argtypes.positive_int, default=1,
                    help="independent replicas, requests dealt round robin (default 1)")
-    p.add_argument("--timing", default=None, metavar="SOURCE",
+    p.add_argument("--timing", type=argtypes.nonempty, default=None, metavar="SOURCE",
                    help="emu:PRESET, probe:FILE (odma-hw probe --json output), "
                         "live:torch:DEVICE or ideal (every run at full bandwidth); default: "
                         "the card's timing")
@@ -348,12 +349,9 @@ def _add_serving_arguments(p) -> None:
                    help=f"prefill compute efficiency, in [{FRACTION.low:g}, {FRACTION.high:g}] "
                         f"(default: the card's mfu, else {DEFAULT_MFU})")
     add_memory_utilization_argument(p)
-    p.add_argument("--kv-pool-gb", type=argtypes.positive_float, default=None, metavar="GB",
+    p.add_argument("--kv-pool-gb", type=POOL_GB_TYPE, default=None, metavar="GB",
                    help="KV pool per card in GB of 1e9 B (default: what the weights leave of "
                         "--memory-utilization of the card, the engine's rule too)")
-
-
-BANDWIDTH = argtypes.between(BANDWIDTH_GBPS.low, BANDWIDTH_GBPS.high)
 
 
 def _add_prefix_cache_arguments(p) -> None:
@@ -372,10 +370,10 @@ def _add_prefix_cache_arguments(p) -> None:
                    help="admission order: FCFS, fastest-prefix-first (may starve), relaxed FPF")
     c.add_argument("--prefetch", type=argtypes.count, default=0, metavar="N",
                    help="prefetch the prefixes of the next N queued requests (default 0: off)")
-    c.add_argument("--pcie-gbps", type=BANDWIDTH, default=25.0,
+    c.add_argument("--pcie-gbps", type=BANDWIDTH_GBPS_TYPE, default=25.0,
                    help="host <-> device bandwidth, of the prefix cache's host tier and of "
                         "swapped KV (default 25: PCIe 4.0 x16 effective)")
-    c.add_argument("--disk-read-gbps", type=BANDWIDTH, default=3.0,
+    c.add_argument("--disk-read-gbps", type=BANDWIDTH_GBPS_TYPE, default=3.0,
                    help="disk tier read bandwidth (default 3: an NVMe SSD)")
-    c.add_argument("--disk-write-gbps", type=BANDWIDTH, default=2.0,
+    c.add_argument("--disk-write-gbps", type=BANDWIDTH_GBPS_TYPE, default=2.0,
                    help="disk tier write bandwidth (default 2)")
