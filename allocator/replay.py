@@ -41,7 +41,7 @@ import time
 import numpy as np
 
 from odma_cli import argtypes, jsonout, plotting
-from odma_cli.commands import ValueCheck, option_dests
+from odma_cli.commands import ALL, ValueCheck
 from odma_cli.errors import BadArgument
 from odma_hw import devices
 
@@ -276,8 +276,7 @@ def sweep_checks() -> list[ValueCheck]:
             # last, once per distinct cell: the rest of what run_replay() checks before any
             # work (--max-tokens against the trace, the step count, the device), as the cell
             # itself would
-            ValueCheck("replay", option_dests(register, "replay"),
-                       lambda a: compute(a, check_only=True))]
+            ValueCheck("replay", ALL, lambda a: compute(a, check_only=True))]
 
 
 def register(subparsers) -> None:

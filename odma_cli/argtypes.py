@@ -63,7 +63,6 @@ def between(low: float, high: float):
                                              f"{text!r}")
         return v
 
-    number.__name__ = f"number in [{low:g}, {high:g}]"
     return number
 
 

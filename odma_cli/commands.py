@@ -8,7 +8,8 @@ module provides:
 - register(subparsers): adds its parser and sets func(args) -> exit status (required);
 - compute(args) -> dict: its JSON object, for commands a sweep may run;
 - sweep_checks() -> [ValueCheck]: the checks compute() makes before any work, which a sweep
-  runs for every distinct combination of the values each reads, before any cell;
+  runs for every distinct combination of the values each reads (reads ALL: every distinct
+  cell), before any cell;
 - warm_up(): loads (or compiles) the Numba code its cells run, which a sweep's workers call
   once before their first cell so that no cell's wall time includes compilation;
 - DEFAULT_METRIC: the output column a sweep prints and plots when --metric is not given;
@@ -36,21 +37,15 @@ class ValueCheck:
     """A check that a command's compute() makes before its work, reused from the command.
     `reads` names every parsed argument (argparse dest) it looks at: the sweep runs it once per
     distinct combination of their values, not once per cell, and hands it only those (an
-    undeclared read fails loudly rather than being checked against one cell's value only)."""
+    undeclared read fails loudly rather than being checked against one cell's value only).
+    `reads` ALL: every argument, the cell as a whole (once per distinct cell)."""
 
     key: str                            # the option a refusal names
-    reads: tuple
+    reads: tuple | None
     run: collections.abc.Callable       # run(namespace of `reads`), raising BadArgument
 
 
-def option_dests(register, command: str) -> tuple:
-    """Every argument (argparse dest) that the parser `register(subparsers)` adds for `command`
-    sets: what a ValueCheck reads that checks a cell as a whole."""
-    import argparse
-
-    sub = argparse.ArgumentParser().add_subparsers()
-    register(sub)
-    return tuple(a.dest for a in sub.choices[command]._actions if a.dest != "help")
+ALL = None                              # ValueCheck.reads of a check of the whole cell
 
 
 @functools.cache

@@ -45,6 +45,7 @@ def load_document(path, what: str, as_json: bool):
     that does not parse; a JSON object that names a key twice does not parse."""
     from odma_cli import tomlread
 
+    path = os.fspath(path)
     raw = read_bounded(path, what)
     try:
         text = raw.decode("utf-8-sig")
@@ -52,8 +53,7 @@ def load_document(path, what: str, as_json: bool):
             return json.loads(text, object_pairs_hook=_refuse_duplicates)
         return tomlread.loads(text)
     except RecursionError:              # JSON arrays nested thousands deep
-        raise BadArgument(f"{what} {os.fspath(path)} is not valid JSON: nested too deep") \
-            from None
+        raise BadArgument(f"{what} {path} is not valid JSON: nested too deep") from None
     except (UnicodeDecodeError, ValueError) as exc:     # TOMLDecodeError is a ValueError
-        raise BadArgument(f"{what} {os.fspath(path)} is not valid "
+        raise BadArgument(f"{what} {path} is not valid "
                           f"{'JSON' if as_json else 'TOML'}: {one_line(exc)}") from None

@@ -16,7 +16,7 @@ import shlex
 from dataclasses import dataclass, field
 
 from odma_cli.argtypes import parse_line
-from odma_cli.commands import ValueCheck, registry
+from odma_cli.commands import ALL, ValueCheck, registry
 from odma_cli.errors import BadArgument, DeviceUnavailable
 from odma_cli.sweep.grid import Grid, cell_argv, command_parser, value_checks, value_text
 from odma_cli.sweep.log import (RESERVED_OPTIONS, code_digest, hash_fragment, hash_payload, hashed,
@@ -206,7 +206,8 @@ class Cells(collections.abc.Sequence):
         cell that has that combination."""
         dim_of_dest = {dest: d for d, dests in enumerate(self._dests) for dest in dests}
         for order, check in enumerate(value_checks(self.command, base)):
-            read_dims = sorted({dim_of_dest[r] for r in check.reads if r in dim_of_dest})
+            reads = tuple(base) if check.reads is ALL else check.reads
+            read_dims = sorted({dim_of_dest[r] for r in reads if r in dim_of_dest})
             verdicts = {}
             for combo in itertools.product(*(range(self.sizes[d]) for d in read_dims)):
                 index = sum(self._first_at(d, j) for d, j in zip(read_dims, combo))
@@ -215,7 +216,7 @@ class Cells(collections.abc.Sequence):
                 columns = [self._values[d][j] for d, j in zip(read_dims, combo)]
                 if None in columns:     # that cell does not parse: refused already
                     continue
-                args = {r: base[r] for r in check.reads}
+                args = {r: base[r] for r in reads}
                 for d, values in zip(read_dims, columns):
                     args.update((k, v) for k, v in zip(self._dests[d], values) if k in args)
                 key = repr(tuple(args.values()))

@@ -15,7 +15,7 @@ import dataclasses
 import sys
 
 from odma_cli import argtypes, jsonout, plotting
-from odma_cli.commands import ValueCheck, option_dests
+from odma_cli.commands import ALL, ValueCheck
 from odma_cli.errors import BadArgument, RunFailed
 from odma_hw.emu import cli as emulate_cli
 
@@ -251,8 +251,7 @@ def sweep_checks() -> list[ValueCheck]:
             # last, and once per distinct cell: all that simulate() checks short of measuring
             # (a TP the model's heads do not split into, a pool larger than the card, a prefix
             # cache on a trace without prefixes), as the cell itself would check it
-            ValueCheck("simulate", option_dests(register, "simulate"),
-                       lambda a: compute(a, check_only=True))]
+            ValueCheck("simulate", ALL, lambda a: compute(a, check_only=True))]
 
 
 def register(subparsers) -> None:
