@@ -76,8 +76,9 @@ def pool_bytes(kv_pool_gb: float | None = None, pool_gib: float | None = None) -
                           "of them")
     if kv_pool_gb is not None:
         if not 0 < kv_pool_gb * 1e9 <= MAX_POOL_GIB * GIB:
-            raise BadArgument(f"--kv-pool-gb must be in (0, {MAX_POOL_GIB * GIB / 1e9:.0f}], "
-                              f"got {kv_pool_gb}")
+            # the bound rounded down: every value the message allows is taken
+            bound = math.floor(MAX_POOL_GIB * GIB / 1e6) / 1e3
+            raise BadArgument(f"--kv-pool-gb must be in (0, {bound:.3f}], got {kv_pool_gb}")
         return int(round(kv_pool_gb * 1e9))
     gib = DEFAULT_POOL_GIB if pool_gib is None else pool_gib
     if not (0 < gib <= MAX_POOL_GIB):

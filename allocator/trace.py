@@ -30,6 +30,7 @@ import numpy as np
 
 from odma_cli.commands import ValueCheck
 from odma_cli.errors import BadArgument, OutputError
+from odma_cli.paths import folder_problem
 
 # No model serves a request longer than this; a larger count is a corrupt trace.
 MAX_REQUEST_TOKENS = 10_000_000
@@ -298,8 +299,9 @@ def check_output_path(path) -> None:
         raise BadArgument(f"cannot write trace {path}: it is a directory")
     if st is None or stat.S_ISREG(st.st_mode):
         folder = os.path.dirname(os.path.realpath(path))
-        if not os.path.isdir(folder):
-            raise BadArgument(f"cannot write trace {path}: folder {folder} does not exist")
+        problem = folder_problem(folder)
+        if problem:
+            raise BadArgument(f"cannot write trace {path}: {problem}")
     # a read-only file stays read-only: the new file would replace it by a rename, which only
     # asks the folder's permission
     if st is not None and not os.access(path, os.W_OK):
@@ -397,8 +399,14 @@ def _write_error(what: str, path: str, exc: OSError, started: bool) -> Exception
 def arrival_seconds(trace: RequestTrace, rate: float | None = None, time_scale: float = 1.0,
                     seed: int = 0) -> np.ndarray:
     """Arrival time of each request in seconds from the first: a Poisson process at `rate`
-    requests/s (seeded), else the trace's arrived_at x time_scale, else all at 0."""
+    requests/s (seeded), else the trace's arrived_at x time_scale, else all at 0. A time_scale
+    other than 1 where there is no arrived_at to scale (a rate replaces it) is refused: the
+    load asked for would silently not be the load run."""
     n = len(trace)
+    if time_scale != 1.0 and (rate is not None or trace.arrival is None):
+        raise BadArgument("--time-scale scales arrived_at, which "
+                          + ("--rate replaces: give one of them" if rate is not None
+                             else "this trace does not have"))
     if rate is not None:
         if not (isinstance(rate, (int, float)) and rate > 0 and math.isfinite(rate)):
             raise BadArgument(f"--rate must be a positive number of requests per second, got "

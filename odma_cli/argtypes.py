@@ -81,10 +81,17 @@ def unit_fraction(text: str) -> float:
     return v
 
 
+def comma_items(text: str) -> list[str] | None:
+    """'a, b' -> ['a', 'b']; None where the text or any item is empty ('', 'a,', 'a,,b'): a
+    stray comma is a typo more often than a wish for nothing there."""
+    parts = [p.strip() for p in text.split(",")]
+    return parts if all(parts) else None
+
+
 def positive_floats(text: str) -> list[float]:
     """'0.5,1,2' -> [0.5, 1.0, 2.0]: a comma-separated list of finite numbers > 0."""
-    parts = [p.strip() for p in text.split(",")]
-    if not text.strip() or any(not p for p in parts):
+    parts = comma_items(text)
+    if parts is None:
         raise argparse.ArgumentTypeError(f"expected numbers separated by commas, not {text!r}")
     return [positive_float(p) for p in parts]
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 
 from odma_cli.errors import BadArgument, OutputError
+from odma_cli.paths import folder_problem
 
 
 def pyplot():
@@ -30,8 +31,9 @@ def check_plot_path(path: str) -> None:
     folder = os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path):
         raise BadArgument(f"--plot {path!r} is a directory; give a file name such as plot.png")
-    if not os.path.isdir(folder):
-        raise BadArgument(f"--plot {path!r}: folder {folder} does not exist")
+    problem = folder_problem(folder)
+    if problem:
+        raise BadArgument(f"--plot {path!r}: {problem}")
     if not os.access(folder, os.W_OK):
         raise BadArgument(f"--plot {path!r}: folder {folder} is not writable")
     existed = os.path.exists(path)

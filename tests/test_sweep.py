@@ -196,6 +196,8 @@ CELL_CHECKS = [
     ("simulate", 'memory-utilization = [2.0]', "memory utilization must be in (0, 1]"),
     ("simulate", 'kv-pool-gb = [1000]', "does not fit on a mlu370-x4 card"),
     ("simulate", 'prefix-cache = [true]', "names no prefixes"),
+    ("simulate", 'rate = [2.0]\ntime-scale = [0.5]', "which --rate replaces: give one"),
+    ("replay", 'rate = [2.0]\ntime-scale = [0.5]', "which --rate replaces: give one"),
     ("replay", 'max-tokens = [1]', "cell 0 (max-tokens=1): replay: --max-tokens 1 is below"),
     ("replay", 'device = ["none", "bogus"]', "cell 1 (device=bogus): replay: unknown device"),
     ("replay", 'step-seconds = [1e-30]', "more steps than a count holds"),

@@ -43,7 +43,7 @@ def add_card_argument(p, what: str) -> None:
 
 def parse_cards(text: str, option: str = "--card") -> list[str]:
     """CARD[,CARD...]: each a preset or a card file; BadArgument for an unknown one."""
-    cards = list(dict.fromkeys(c.strip() for c in text.split(",") if c.strip()))
+    cards = list(dict.fromkeys(argtypes.comma_items(text) or []))
     if not cards:
         raise BadArgument(f"{option}: expected CARD[,CARD...], not {text!r}")
     for card in cards:
@@ -92,7 +92,7 @@ def swap_space(text: str) -> float:
 def parse_policies(text: str, extra: tuple = ()) -> list[str]:
     """A comma-separated list of policies (and of the `extra` names a command adds)."""
     known = [*POLICIES, *extra]
-    names = [p.strip() for p in text.split(",") if p.strip()]
+    names = argtypes.comma_items(text) or []
     bad = [p for p in names if p not in known]
     if not names or bad:
         raise BadArgument(f"unknown policy {', '.join(bad) or repr(text)}: expected a comma-"

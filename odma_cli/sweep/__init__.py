@@ -52,6 +52,7 @@ import time
 from odma_cli import argtypes, jsonout
 from odma_cli.commands import module_of, registry
 from odma_cli.errors import BadArgument, OdmaError
+from odma_cli.paths import folder_problem
 from odma_cli.sweep.cells import Cell, Cells, Plan, plan
 from odma_cli.sweep.grid import (
     GRID_KEYS,
@@ -288,11 +289,9 @@ def run_sweep(grid_path: str, *, out: str | None = None, workers: int | None = N
     log_path = os.path.join(out, RESULTS)
     given_metric = metric
     metric = metric or default_metric(grid.command)
-    existing = out                      # --out, or the nearest folder above it that exists
-    while existing and not os.path.exists(existing):
-        existing = os.path.dirname(existing)
-    if existing and not os.path.isdir(existing):
-        raise BadArgument(f"--out {out!r}: {existing} is a file, not a folder")
+    problem = folder_problem(out, created=True)
+    if problem:
+        raise BadArgument(f"--out {out!r}: {problem}")
     # any byte in the log, even a torn line, is a sweep that ran here: never append silently
     if log_holds_anything(log_path) and not resume and not dry_run:
         raise BadArgument(f"{out} already holds sweep results: --resume completes them; remove "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import sys
 
 from odma_cli import jsonout
@@ -10,6 +11,13 @@ from odma_cli.errors import BadArgument
 
 DEFAULT_METRIC = "efficiency"           # what a sweep of emulate prints and plots
 OPTION_UNITS = {"granularity": "B", "interleave": "B", "footprint": "B"}
+# the generated traffic's options and their defaults (None on the command line: not given, so
+# that one given beside --trace, which replaces them, is refused rather than ignored)
+GENERATED_DEFAULTS = {"pattern": "rand", "requests": "200000", "footprint": None,
+                      "write_ratio": None, "seed": 1}
+# a generated run whose requests carry more bytes than this shows its progress: a few requests
+# of a large granularity are as long as millions of small ones
+PROGRESS_BYTES = 2_000_000 * 64
 
 
 def warm_up() -> None:
@@ -33,12 +41,12 @@ def register(subparsers) -> None:
                     "Presets: " + ", ".join(PRESETS))
     p.add_argument("--spec", default="lpddr5-6400", metavar="PRESET",
                    help="preset (default lpddr5-6400)")
-    p.add_argument("--pattern", default="rand", choices=PATTERNS, help="traffic (default rand)")
+    p.add_argument("--pattern", default=None, choices=PATTERNS, help="traffic (default rand)")
     p.add_argument("--granularity", default="64", metavar="G",
                    help="bytes per request, a multiple of the burst (default 64)")
     p.add_argument("--write-ratio", type=float, default=None, metavar="R",
                    help="fraction of writes in [0, 1] (default 0; 0.5 for mixed)")
-    p.add_argument("--requests", default="200000", metavar="N", help="requests (default 200000)")
+    p.add_argument("--requests", default=None, metavar="N", help="requests (default 200000)")
     p.add_argument("--refresh", default="allbank", choices=("allbank", "perbank", "none"))
     p.add_argument("--mode", default=None, choices=("bg", "16b", "8b"),
                    help="LPDDR5 bank mode (default: the preset's)")
@@ -67,11 +75,12 @@ def register(subparsers) -> None:
                    help="keep WCK running (no CAS sync commands)")
     p.add_argument("--footprint", default=None, metavar="BYTES",
                    help="address range of generated traffic (default: the whole device)")
-    p.add_argument("--seed", type=int, default=1, help="random seed, >= 0 (default 1)")
+    p.add_argument("--seed", type=int, default=None, help="random seed, >= 0 (default 1)")
     p.add_argument("--threads", type=int, default=None,
                    help="threads for multi-channel runs, >= 1 (default: all cores)")
     p.add_argument("--trace", default=None, metavar="FILE",
-                   help="text trace: one 'ADDRESS R|W [SIZE]' per line (replaces --pattern)")
+                   help="text trace: one 'ADDRESS R|W [SIZE]' per line (replaces --pattern, "
+                        "--requests, --footprint, --write-ratio and --seed)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
 
@@ -84,6 +93,18 @@ def _int(text: str, what: str) -> int:
     if value <= 0:
         raise BadArgument(f"{what} must be positive, not {value}")
     return value
+
+
+def _generated(a, names=tuple(GENERATED_DEFAULTS)) -> dict:
+    """The generated traffic's options `names`, defaults filled in; BadArgument where one is
+    given beside --trace."""
+    given = [name for name in names if getattr(a, name) is not None]
+    if a.trace is not None and given:
+        raise BadArgument(f"--trace replaces the generated traffic: "
+                          f"{', '.join('--' + n.replace('_', '-') for n in given)} would do "
+                          f"nothing beside it")
+    return {name: GENERATED_DEFAULTS[name] if getattr(a, name) is None else getattr(a, name)
+            for name in names}
 
 
 def _write_ratio(wr):
@@ -134,19 +155,21 @@ def compute(args) -> dict:
     """The JSON object of `odma-hw emulate` for parsed arguments (what --json prints)."""
     from odma_hw.emu import emulate
 
+    g = _generated(args)
     granularity = _int(args.granularity, "--granularity")
-    requests = _int(args.requests, "--requests")
-    footprint = _int(args.footprint, "--footprint") if args.footprint is not None else None
-    wr = _write_ratio(args.write_ratio)
-    progress = _Progress(sys.stderr, args.spec) if requests > 2_000_000 and not args.json else None
+    requests = _int(g["requests"], "--requests")
+    footprint = _int(g["footprint"], "--footprint") if g["footprint"] is not None else None
+    wr = _write_ratio(g["write_ratio"])
+    long_run = requests * granularity > PROGRESS_BYTES and args.trace is None
+    progress = _Progress(sys.stderr, args.spec) if long_run and not args.json else None
     try:
-        stats = emulate(args.spec, args.pattern, granularity, requests,
+        stats = emulate(args.spec, g["pattern"], granularity, requests,
                         write_ratio=0.0 if wr is None else wr, refresh=args.refresh,
                         mode=args.mode, bl=args.bl, address_map_name=args.map,
                         queue=args.queue, queue_unit=args.queue_unit,
                         write_high=args.write_high, write_low=args.write_low,
                         channels=args.channels, page_policy=args.page_policy,
-                        scheduler=args.scheduler, footprint=footprint, seed=args.seed,
+                        scheduler=args.scheduler, footprint=footprint, seed=g["seed"],
                         trace=args.trace, wck_always_on=args.wck_always_on,
                         interleave=args.interleave, threads=args.threads, progress=progress)
     finally:
@@ -200,12 +223,14 @@ def sweep_checks() -> list[ValueCheck]:
     def traffic(a):
         dev = device(a)
         amap, granularity = address_map(dev, a.map), _int(a.granularity, "--granularity")
+        g = _generated(a, ("pattern", "requests", "footprint"))
         if a.trace is not None:
             model.user_trace(dev, amap, a.trace, granularity)
             return
-        footprint = None if a.footprint is None else _int(a.footprint, "--footprint")
-        model.check_generated(dev, amap, a.pattern, granularity, _int(a.requests, "--requests"),
-                              footprint, seed=0)        # the seed is checked on its own
+        footprint = None if g["footprint"] is None else _int(g["footprint"], "--footprint")
+        model.check_generated(dev, amap, g["pattern"], granularity,
+                              _int(g["requests"], "--requests"), footprint,
+                              seed=0)        # the seed is checked on its own
 
     return [
         ValueCheck("spec", device_options, device),
@@ -214,11 +239,14 @@ def sweep_checks() -> list[ValueCheck]:
                                               "write_low"), controller),
         ValueCheck("granularity", ("granularity",),
                    lambda a: _int(a.granularity, "--granularity")),
-        ValueCheck("requests", ("requests",), lambda a: _int(a.requests, "--requests")),
+        ValueCheck("requests", ("requests",),
+                   lambda a: a.requests is None or _int(a.requests, "--requests")),
         ValueCheck("footprint", ("footprint",),
                    lambda a: a.footprint is None or _int(a.footprint, "--footprint")),
-        ValueCheck("seed", ("seed",), lambda a: model.check_seed(a.seed)),
+        ValueCheck("seed", ("seed",), lambda a: a.seed is None or model.check_seed(a.seed)),
         ValueCheck("write-ratio", ("write_ratio",), lambda a: _write_ratio(a.write_ratio)),
         ValueCheck("threads", ("threads",), lambda a: model.check_threads(a.threads)),
+        *(ValueCheck("trace", ("trace", name), functools.partial(_generated, names=(name,)))
+          for name in GENERATED_DEFAULTS),
         ValueCheck("traffic", device_options + ("map", "pattern", "granularity", "requests",
                                                 "footprint", "trace"), traffic)]

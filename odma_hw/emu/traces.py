@@ -125,6 +125,8 @@ def _why(a: int, s: int, burst: int, device_bytes: int) -> str:
         return f"address {a:#x} + {s} is beyond the {device_bytes}-byte device"
     if a % burst:
         return f"address {a:#x} is not aligned to the {burst}-byte burst"
+    if s <= 0:
+        return f"size {s} must be a positive multiple of the {burst}-byte burst"
     return f"size {s} is not a multiple of the {burst}-byte burst"
 
 
@@ -132,10 +134,13 @@ def read_trace_file(path: str, *, granule: int, burst: int, device_bytes: int) -
     """A text trace: one request per line, `ADDRESS R|W [SIZE]` (address decimal or 0x-hex,
     size in bytes, default the granularity). Blank lines and `#` comments are skipped. Errors name
     the file and line."""
+    if os.path.isdir(path):
+        raise BadArgument(f"trace file {path!r} is a directory")
     if not os.path.isfile(path):
         raise BadArgument(f"trace file {path!r} does not exist")
     addrs, writes, sizes = [], [], []
-    with open(path, "r", encoding="utf-8", errors="replace") as f:
+    # utf-8-sig: a byte-order mark before the first address is read past, as the CSV reader does
+    with open(path, "r", encoding="utf-8-sig", errors="replace") as f:
         for lineno, line in enumerate(f, 1):
             text = line.split("#", 1)[0].strip()
             if not text:

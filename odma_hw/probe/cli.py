@@ -67,7 +67,8 @@ def format_table(results: list[ProbeResult]) -> str:
     for r in results:
         peak = f"peak {r.peak_gbps:.1f} GB/s" if r.peak_gbps else "peak unknown"
         scaling = ", ".join(f"{t}T {v:.1f}" for t, v in r.seq_scaling.items())
-        lines.append(f"{r.device}: {r.name}; {peak}; seq by threads: {scaling}; {r.reason}")
+        named = f"{r.name}; " if r.name else ""       # a saved entry may lack its name
+        lines.append(f"{r.device}: {named}{peak}; seq by threads: {scaling}; {r.reason}")
         if r.origin:
             lines.append(f"{r.device}: as measured in {r.origin}, judged again")
         lines.append(f"{r.device}: the {r.verdict} verdict is taken at the {r.granularity} B "

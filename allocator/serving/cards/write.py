@@ -11,6 +11,7 @@ import os
 import secrets
 
 from odma_cli.errors import BadArgument, DeviceError
+from odma_cli.paths import folder_problem
 
 from allocator.serving.cards.measure import TORCH_SOURCE
 
@@ -41,8 +42,9 @@ def card_paths(out: str) -> tuple[str, str]:
     for path in (card, probe):
         if os.path.isdir(path) and not os.path.islink(path):
             raise BadArgument(f"cannot write {path}: it is a directory")
-    if not os.path.isdir(folder):
-        raise BadArgument(f"cannot write card {out}: folder {folder} does not exist")
+    problem = folder_problem(folder)
+    if problem:
+        raise BadArgument(f"cannot write card {out}: {problem}")
     trial = os.path.join(folder, f".calibrate-{secrets.token_hex(6)}.tmp")
     try:
         os.close(os.open(trial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))

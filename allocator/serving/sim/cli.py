@@ -44,6 +44,11 @@ from allocator.serving.sim.timing import make_timing
 from allocator.trace import load_trace_once, trace_check
 
 EVICTIONS = ("lru", "fifo", "random")
+# the prefix cache's options and their defaults (None on the command line: not given, so that
+# one given without --prefix-cache is told it does nothing)
+PREFIX_CACHE_DEFAULTS = {"cache_device_gb": 1.0, "cache_host_gb": 16.0, "cache_disk_gb": 64.0,
+                         "eviction": "lru", "prefix_schedule": "fcfs", "prefetch": 0,
+                         "disk_read_gbps": 3.0, "disk_write_gbps": 2.0}
 
 SCHEMA = "odma-hw.simulate/1"
 LIST_SCHEMA = "odma-hw.simulate-list/1"
@@ -68,13 +73,15 @@ def compute(args, results: list | None = None, failed: list | None = None,
                else load_engine_profile(args.engine_profile))
     prefix = None
     if args.prefix_cache:
-        prefix = PrefixSettings(device_gb=args.cache_device_gb, host_gb=args.cache_host_gb,
-                                disk_gb=args.cache_disk_gb, eviction=args.eviction,
-                                schedule=args.prefix_schedule, prefetch=args.prefetch,
+        c = {k: v if getattr(args, k) is None else getattr(args, k)
+             for k, v in PREFIX_CACHE_DEFAULTS.items()}
+        prefix = PrefixSettings(device_gb=c["cache_device_gb"], host_gb=c["cache_host_gb"],
+                                disk_gb=c["cache_disk_gb"], eviction=c["eviction"],
+                                schedule=c["prefix_schedule"], prefetch=c["prefetch"],
                                 host_to_device_gbps=args.pcie_gbps,
                                 device_to_host_gbps=args.pcie_gbps,
-                                disk_read_gbps=args.disk_read_gbps,
-                                disk_write_gbps=args.disk_write_gbps)
+                                disk_read_gbps=c["disk_read_gbps"],
+                                disk_write_gbps=c["disk_write_gbps"])
     results = [] if results is None else results
     cards = cards_of(args)
     # several cards: every card's checks before any card's runs (a bad second card is refused
@@ -101,6 +108,20 @@ def compute(args, results: list | None = None, failed: list | None = None,
             for f in (failed or [])[before:]:
                 f["card"] = card
     return {"schema": SCHEMA, "results": results, "failed": failed or []}
+
+
+def idle_options(args) -> list[str]:
+    """What the options given do not do in this combination, a line each: a run that ignores
+    an option is still run (a sweep's grid may cross it with the option that enables it), but
+    the user is told."""
+    lines = []
+    if args.chunk_bytes is not None and args.streams == 1:
+        lines.append("--chunk-bytes does nothing with one stream: it interleaves --streams > 1")
+    given = [k for k in PREFIX_CACHE_DEFAULTS if getattr(args, k) is not None]
+    if given and not args.prefix_cache:
+        lines.append(f"{', '.join('--' + k.replace('_', '-') for k in given)} do"
+                     f"{'es' if len(given) == 1 else ''} nothing without --prefix-cache")
+    return lines
 
 
 def _card_emu(args, card: str):
@@ -177,6 +198,8 @@ def _cmd(args) -> int:
         raise BadArgument("simulate needs --trace CSV (or --list)")
     if args.plot:
         plotting.check_plot_path(args.plot)
+    for line in idle_options(args):
+        print(f"odma-hw simulate: warning: {line}", file=sys.stderr)
     results: list[dict] = []
     failed: list[dict] = []
     try:
@@ -358,21 +381,23 @@ def _add_prefix_cache_arguments(p) -> None:
     c = p.add_argument_group("prefix cache (traces with prefix_id / prefix_tokens columns)")
     c.add_argument("--prefix-cache", action="store_true",
                    help="keep prefixes' KV across requests in device, host and disk tiers")
-    c.add_argument("--cache-device-gb", type=argtypes.nonnegative_float, default=1.0,
+    c.add_argument("--cache-device-gb", type=argtypes.nonnegative_float, default=None,
                    help="device tier, carved out of the KV pool (default 1 GB)")
-    c.add_argument("--cache-host-gb", type=argtypes.nonnegative_float, default=16.0,
+    c.add_argument("--cache-host-gb", type=argtypes.nonnegative_float, default=None,
                    help="host-memory tier (default 16 GB)")
-    c.add_argument("--cache-disk-gb", type=argtypes.nonnegative_float, default=64.0,
+    c.add_argument("--cache-disk-gb", type=argtypes.nonnegative_float, default=None,
                    help="disk tier (default 64 GB)")
-    c.add_argument("--eviction", default="lru", choices=list(EVICTIONS))
-    c.add_argument("--prefix-schedule", default="fcfs", choices=list(SCHEDULES),
-                   help="admission order: FCFS, fastest-prefix-first (may starve), relaxed FPF")
-    c.add_argument("--prefetch", type=argtypes.count, default=0, metavar="N",
+    c.add_argument("--eviction", default=None, choices=list(EVICTIONS),
+                   help="which prefix leaves a full tier (default lru)")
+    c.add_argument("--prefix-schedule", default=None, choices=list(SCHEDULES),
+                   help="admission order: FCFS (default), fastest-prefix-first (may starve), "
+                        "relaxed FPF")
+    c.add_argument("--prefetch", type=argtypes.count, default=None, metavar="N",
                    help="prefetch the prefixes of the next N queued requests (default 0: off)")
     c.add_argument("--pcie-gbps", type=BANDWIDTH_GBPS_TYPE, default=25.0,
                    help="host <-> device bandwidth, of the prefix cache's host tier and of "
                         "swapped KV (default 25: PCIe 4.0 x16 effective)")
-    c.add_argument("--disk-read-gbps", type=BANDWIDTH_GBPS_TYPE, default=3.0,
+    c.add_argument("--disk-read-gbps", type=BANDWIDTH_GBPS_TYPE, default=None,
                    help="disk tier read bandwidth (default 3: an NVMe SSD)")
-    c.add_argument("--disk-write-gbps", type=BANDWIDTH_GBPS_TYPE, default=2.0,
+    c.add_argument("--disk-write-gbps", type=BANDWIDTH_GBPS_TYPE, default=None,
                    help="disk tier write bandwidth (default 2)")
