@@ -197,6 +197,7 @@ def compute(args, check_only: bool = False) -> dict:
 
 
 def _cmd(args) -> int:
+    jsonout.check_series(args)
     if args.plot:
         plotting.check_plot_path(args.plot)
     result = compute(args)

@@ -21,3 +21,12 @@ def finite(obj):
 
 def dumps(obj, **kwargs) -> str:
     return json.dumps(finite(obj), allow_nan=False, **kwargs)
+
+
+def check_series(args) -> None:
+    """--series adds time series to --json's object: without --json there is nowhere to put
+    them, and a table that silently leaves them out is not what was asked for."""
+    if args.series and not args.json:
+        from odma_cli.errors import BadArgument
+
+        raise BadArgument("--series adds the time series to --json's output: give --json too")

@@ -119,6 +119,15 @@ def test_a_time_scale_of_one_beside_a_rate_changes_nothing_and_runs(timed_trace,
     assert json.loads(capsys.readouterr().out)["results"][0]["output_tps"] == plain
 
 
+@pytest.mark.parametrize("command", ["simulate", "replay"])
+def test_series_without_json_is_refused(command, timed_trace, capsys):
+    err = refused([command, "--trace", timed_trace, "--series"], capsys)
+    assert "--series adds the time series to --json's output: give --json too" in err
+    assert main([command, "--trace", timed_trace, "--series", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert "series" in (out["results"][0] if command == "simulate" else out)
+
+
 # ------------------------------------------------------------------ lists with a stray comma
 @pytest.mark.parametrize("option, value, says", [
     ("--card", "a100-80gb,", "--card: expected CARD[,CARD...], not 'a100-80gb,'"),

@@ -196,6 +196,7 @@ def _cmd(args) -> int:
         return 0
     if args.trace is None:
         raise BadArgument("simulate needs --trace CSV (or --list)")
+    jsonout.check_series(args)
     if args.plot:
         plotting.check_plot_path(args.plot)
     for line in idle_options(args):
