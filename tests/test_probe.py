@@ -478,3 +478,15 @@ def test_a_saved_entry_that_contradicts_itself_is_refused_naming_the_key(tmp_pat
         code = exc.code
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1 and says in err, err
+
+
+def test_an_emulated_run_as_large_as_the_buffer_is_measured_not_refused_midway(capsys):
+    # 1,024 random positions of a 1 GiB run would be a terabyte to emulate: the run's traffic is
+    # capped, so the largest run the buffer holds is measured like any other, streaming there
+    assert cli.main(["probe", *EMU, "--granularity", "64", "--reps", "1", "--quiet",
+                     "--run-bytes", "1G", "--json"]) == 0
+    (dev,) = json.loads(capsys.readouterr().out)["devices"]
+    assert dev["kv_run"]["ratio_source"] == "measured"
+    assert dev["kv_run"]["ratio"] == pytest.approx(1.0, abs=0.05)
+    (run,) = [m for m in dev["measurements"] if m["granule"] == 1 << 30]
+    assert run["pattern"] == "rand" and run["extra"]["requests"] == 1

@@ -24,6 +24,9 @@ COPY_SIM_BYTES = 4 << 20
 # Bursts one measure() simulates per channel: enough for steady state (thousands of row cycles
 # and several refresh intervals) and fast (~0.1 s per channel).
 MEASURE_BURSTS_PER_CHANNEL = 1 << 16
+# the traffic of one random-read measurement at most, as far as one request allows: 1,024
+# positions of a 1 GiB run would be a terabyte to emulate, where a few long runs tell as much
+MEASURE_MAX_BYTES = 256 << 20
 COPY_TILE = 1024  # the streaming copier reads a tile, then writes it
 
 
@@ -180,6 +183,7 @@ class EmuDevice(Device):
                               f"({self.dev.total_bytes} bytes) or is below the granule")
         bursts = MEASURE_BURSTS_PER_CHANNEL * min(self.dev.channels, 8)
         n = max(1024, bursts // (moved // burst))
+        n = max(1, min(n, MEASURE_MAX_BYTES // moved))
         if pattern == "copy":
             half = fp // 2 // 4096 * 4096 or granule
             nbytes = min(half, n * granule // 2)
