@@ -101,7 +101,8 @@ def test_cuda_graph_decode_step(benchmark, timings, fused):
     model = te.build_model(cfg, "bfloat16", "cuda", seed=0)
     bpt = models.kv_bytes_per_token(cfg, "bfloat16")
     longest = GPU_CONTEXT + 64
-    alloc = make_allocator("odma", "torch:cuda:0", GPU_BATCH * longest * bpt, bpt, longest,
+    # twice the requests' KV, as _step sizes it: odma reserves each block past its context
+    alloc = make_allocator("odma", "torch:cuda:0", 2 * GPU_BATCH * longest * bpt, bpt, longest,
                            AllocatorConfig(background_refresh=False))
     try:
         runner = Runner(model, KVPool(alloc, cfg, torch.bfloat16, models.head_dim(cfg)),

@@ -15,6 +15,7 @@
 # STEPS="check_tiny_* speed32" runs only the steps whose names match one of those patterns.
 set -u
 : "${OUT:?set OUT to a results folder}" "${DEV:=torch:cuda:0}"
+OUT=$(realpath -m "$OUT")    # the archive at the end is written from /tmp
 : "${SMALL:=0}" "${BUDGET:=480}"
 ROOT=$(pwd); R=/tmp/gpu-r; rm -rf "$R"; mkdir -p "$R" "$OUT"
 exec > >(tee -a "$OUT/log.txt") 2>&1
@@ -30,7 +31,8 @@ step() {  # step NAME SECONDS CMD... (stdout to $R/NAME.out); the command's stat
   local left=$((deadline - SECONDS - 20)); ((t > left)) && t=$left
   ((t < 5)) && { echo "=== $name SKIPPED (no time)"; rc=124; return; }
   echo "=== $name (limit ${t}s) $*"
-  local t0=$SECONDS; timeout "$t" "$@" > "$R/$name.out"; rc=$?
+  # SIGTERM at the limit: odma-hw prints what it finished (as on Ctrl-C); SIGKILL 15 s later
+  local t0=$SECONDS; timeout -k 15 "$t" "$@" > "$R/$name.out"; rc=$?
   echo "=== $name rc=$rc $((SECONDS - t0))s"; tail -c 1800 "$R/$name.out"; echo
 }
 W=.device/whl
@@ -46,6 +48,10 @@ $PY -c "import torch, transformers; print('torch', torch.__version__, 'cuda', to
 $PY -c "import triton; print('triton', triton.__version__)" || true
 OH="$PY -m odma_hw"
 AZ=.device/traces/azure_conv_2023.csv; [ -f $AZ ] || AZ=../shared/traces/azure_conv_2023.csv
+# without .device/ (the device tool's carry: [".device"]) every step would fail at once
+[ -f "$AZ" ] && $PY -c "import cffi, transformers" 2>/dev/null || {
+  echo "=== no traces or no cffi/transformers here: carry .device/ (see the header); stopping"
+  exit 2; }
 cut() {  # cut DST N PROMPT_CAP OUTPUT_CAP: the first N Azure requests, capped
   $PY - "$AZ" "$1" "$2" "$3" "$4" <<'PY'
 import sys
@@ -151,7 +157,7 @@ if [ "${HF_GRAPHS:-1}" = 1 ]; then
   step speed32_hf_graphs 40 $HFG --trace "$R/t32.csv" --max-batch $MB --kv-pool-gb $(gb $POOL) \
     --policy hf --json
 fi
-step full256_rev 60 $E --trace "$R/t256.csv" --max-batch $BIGMB --kv-pool-gb $(gb $BIGPOOL) \
+step full256_rev 90 $E --trace "$R/t256.csv" --max-batch $BIGMB --kv-pool-gb $(gb $BIGPOOL) \
   --max-model-len $BIGLEN --policy static,odma --json
 step kernel_bench 100 $PY -m pytest bench/bench_run_attention.py \
   bench/bench_engine.py::test_cuda_graph_decode_step --benchmark-only -q \

@@ -3,7 +3,8 @@
 Each subcommand lives next to the code it drives, found through the registry of
 odma_cli/commands.py, and exposes `register(subparsers)`, which adds its parser and sets
 `func(args) -> int`. Exit codes: 0 ok, 2 bad usage (one-line reason), 3 failure at
-run time (a device, or writing the output: a full disk, a closed terminal), 130 interrupted. A
+run time (a device, or writing the output: a full disk, a closed terminal), 130 interrupted, 143
+terminated (SIGTERM: a time limit, `kill`; the run ends as on Ctrl-C, what finished printed). A
 reader that stops early (`odma-hw devices | head -1`) is not a failure: 0.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import signal
 import sys
 
 from odma_cli import __version__
@@ -123,9 +125,22 @@ def _run(argv: list[str] | None) -> int:
     except OdmaError as exc:
         print(f"odma-hw: error: {exc}", file=sys.stderr)
         return 3
+    except Terminated:
+        print("odma-hw: terminated", file=sys.stderr)
+        return 143
     except KeyboardInterrupt:
         print("odma-hw: interrupted", file=sys.stderr)
         return 130
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the run is: a KeyboardInterrupt, so that every command that keeps
+    its finished work on Ctrl-C (simulate's runs, the engine's policies, a sweep's cells) keeps
+    it when a time limit or `kill` ends it too, where the default would lose it all."""
+
+
+def _terminate(signum, frame):
+    raise Terminated()
 
 
 def _flush_stdout() -> None:
@@ -136,6 +151,10 @@ def _flush_stdout() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The `odma-hw` process (argv None: sys.argv, and SIGTERM handled as above), or one
+    command line run in the caller's process, its signals left as they are."""
+    if argv is None:
+        signal.signal(signal.SIGTERM, _terminate)
     real_stdout = sys.stdout
     if real_stdout is not None:
         sys.stdout = _GuardedStdout(real_stdout)

@@ -6,6 +6,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import signal
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -501,6 +504,37 @@ def test_ctrl_c_prints_the_finished_runs_then_exits_130(small_trace, capsys, mon
     out, err = capsys.readouterr()
     assert [r["policy"] for r in json.loads(out)["results"]] == ["odma", "static"]
     assert "interrupted" in err
+
+
+def test_sigterm_to_the_process_prints_the_finished_runs_then_exits_143(small_trace, capsys,
+                                                                        monkeypatch):
+    """A time limit's SIGTERM (timeout, a batch system, kill) ends the odma-hw process as Ctrl-C
+    does: the finished runs printed; an in-process caller's handler is left as it was."""
+    from allocator.serving.sim import simulation
+
+    real = simulation.run_policy
+
+    def run_policy(trace, arrivals, policy, *args, **kwargs):
+        if policy == "paged":
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(30)                  # the handler raises here, at once
+        return real(trace, arrivals, policy, *args, **kwargs)
+    monkeypatch.setattr(simulation, "run_policy", run_policy)
+    argv = ["simulate", "--trace", small_trace, "--json", "--policy", "odma,static,paged"]
+    before = signal.getsignal(signal.SIGTERM)
+    assert main(["simulate", "--list"]) == 0
+    assert signal.getsignal(signal.SIGTERM) is before
+    capsys.readouterr()
+    monkeypatch.setattr(sys, "argv", ["odma-hw", *argv])
+    try:
+        t0 = time.monotonic()
+        assert main() == 143
+        assert time.monotonic() - t0 < 20
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    out, err = capsys.readouterr()
+    assert [r["policy"] for r in json.loads(out)["results"]] == ["odma", "static"]
+    assert "odma-hw: terminated" in err
 
 
 def test_json_is_valid_when_a_value_is_not_finite(tmp_path, capsys):
