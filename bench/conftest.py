@@ -9,7 +9,19 @@ Bandwidth figures (GB = 1e9 B) are in each benchmark's extra_info (`--benchmark-
 them); the timing columns are whole calls, set-up included.
 """
 
+import signal
+
 import pytest
+
+
+def _terminated(signum, frame):
+    raise KeyboardInterrupt
+
+
+# A time limit's SIGTERM (timeout, a batch system) ends the run as Ctrl-C does: pytest then
+# finishes its session and --benchmark-json keeps what was measured, where the default handler
+# would end the process with nothing written (bench/gpu_check.sh's kernel_bench step).
+signal.signal(signal.SIGTERM, _terminated)
 
 
 @pytest.fixture
