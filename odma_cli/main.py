@@ -125,22 +125,24 @@ def _run(argv: list[str] | None) -> int:
     except OdmaError as exc:
         print(f"odma-hw: error: {exc}", file=sys.stderr)
         return 3
-    except Terminated:
-        print("odma-hw: terminated", file=sys.stderr)
-        return 143
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:       # a command may catch it and raise a new one: the flag says
+        if _terminated:
+            print("odma-hw: terminated", file=sys.stderr)
+            return 143
         print("odma-hw: interrupted", file=sys.stderr)
         return 130
 
 
-class Terminated(KeyboardInterrupt):
-    """SIGTERM, raised where the run is: a KeyboardInterrupt, so that every command that keeps
-    its finished work on Ctrl-C (simulate's runs, the engine's policies, a sweep's cells) keeps
-    it when a time limit or `kill` ends it too, where the default would lose it all."""
+_terminated = False                 # a SIGTERM came (the handler below is the process's)
 
 
 def _terminate(signum, frame):
-    raise Terminated()
+    """SIGTERM, raised where the run is as a KeyboardInterrupt: every command that keeps its
+    finished work on Ctrl-C (simulate's runs, the engine's policies, a sweep's cells) keeps it
+    when a time limit or `kill` ends it too, where the default would lose it all."""
+    global _terminated
+    _terminated = True
+    raise KeyboardInterrupt
 
 
 def _flush_stdout() -> None:

@@ -511,7 +511,9 @@ def test_sigterm_to_the_process_prints_the_finished_runs_then_exits_143(small_tr
     """A time limit's SIGTERM (timeout, a batch system, kill) ends the odma-hw process as Ctrl-C
     does: the finished runs printed; an in-process caller's handler is left as it was."""
     from allocator.serving.sim import simulation
+    from odma_cli import main as main_module
 
+    monkeypatch.setattr(main_module, "_terminated", False)     # False again after this test
     real = simulation.run_policy
 
     def run_policy(trace, arrivals, policy, *args, **kwargs):
