@@ -9,19 +9,14 @@ Bandwidth figures (GB = 1e9 B) are in each benchmark's extra_info (`--benchmark-
 them); the timing columns are whole calls, set-up included.
 """
 
-import signal
-
 import pytest
 
-
-def _terminated(signum, frame):
-    raise KeyboardInterrupt
-
+from odma_cli.main import end_on_sigterm_as_on_ctrl_c
 
 # A time limit's SIGTERM (timeout, a batch system) ends the run as Ctrl-C does: pytest then
 # finishes its session and --benchmark-json keeps what was measured, where the default handler
 # would end the process with nothing written (bench/gpu_check.sh's kernel_bench step).
-signal.signal(signal.SIGTERM, _terminated)
+end_on_sigterm_as_on_ctrl_c()
 
 
 @pytest.fixture

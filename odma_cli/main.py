@@ -136,6 +136,12 @@ def _run(argv: list[str] | None) -> int:
 _terminated = False                 # a SIGTERM came (the handler below is the process's)
 
 
+def end_on_sigterm_as_on_ctrl_c() -> None:
+    """Install the handler below: the odma-hw process's (main() without argv), and the test and
+    benchmark runs' (their conftest.py: a run cut by a time limit still reports what it did)."""
+    signal.signal(signal.SIGTERM, _terminate)
+
+
 def _terminate(signum, frame):
     """SIGTERM, raised where the run is as a KeyboardInterrupt: every command that keeps its
     finished work on Ctrl-C (simulate's runs, the engine's policies, a sweep's cells) keeps it
@@ -156,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     """The `odma-hw` process (argv None: sys.argv, and SIGTERM handled as above), or one
     command line run in the caller's process, its signals left as they are."""
     if argv is None:
-        signal.signal(signal.SIGTERM, _terminate)
+        end_on_sigterm_as_on_ctrl_c()
     real_stdout = sys.stdout
     if real_stdout is not None:
         sys.stdout = _GuardedStdout(real_stdout)

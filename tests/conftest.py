@@ -8,12 +8,16 @@ import sys
 
 import pytest
 
+from odma_cli.main import end_on_sigterm_as_on_ctrl_c
 from test_allocator_fakes import backend_params, open_or_skip
 
 # A shell starts background jobs with Ctrl-C ignored, and an ignored signal stays ignored in
 # every child: the Ctrl-C tests (which interrupt odma-hw and expect exit 130) would then test
 # nothing. Python's own handler here, and the default disposition in the children it starts.
 signal.signal(signal.SIGINT, signal.default_int_handler)
+# A time limit's SIGTERM ends the run as Ctrl-C does: pytest reports what ran and what failed
+# (bench/gpu_check.sh's pytest_gpu step), where the default would end it with no summary.
+end_on_sigterm_as_on_ctrl_c()
 
 
 @pytest.fixture(params=backend_params())
