@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import math
 
+from odma_cli.errors import BadArgument
+
 
 def finite(obj):
     """`obj` with every non-finite float (also inside dicts, lists and tuples) replaced by None."""
@@ -27,6 +29,4 @@ def check_series(args) -> None:
     """--series adds time series to --json's object: without --json there is nowhere to put
     them, and a table that silently leaves them out is not what was asked for."""
     if args.series and not args.json:
-        from odma_cli.errors import BadArgument
-
         raise BadArgument("--series adds the time series to --json's output: give --json too")

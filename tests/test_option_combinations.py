@@ -14,19 +14,13 @@ from allocator.replay import pool_bytes
 from odma_cli.errors import BadArgument
 from odma_cli.main import main
 from test_emu_cli import no_work  # noqa: F401  (a fixture: no trace made, none decomposed)
-
-SHAREGPT = "../shared/traces/sharegpt_8k.csv"      # no arrived_at column
+from test_inputs_robust import exit_code, one_line
 
 
 def refused(argv, capsys) -> str:
     """The one error line of a command that must exit 2."""
-    try:
-        code = main(argv)
-    except SystemExit as exc:
-        code = exc.code
-    err = capsys.readouterr().err
-    assert code == 2 and err.count("\n") == 1, (code, err)
-    return err
+    assert exit_code(argv) == 2
+    return one_line(capsys)
 
 
 @pytest.fixture
@@ -106,8 +100,10 @@ def test_a_time_scale_beside_a_rate_is_refused(command, timed_trace, capsys):
 
 
 @pytest.mark.parametrize("command", ["simulate", "replay"])
-def test_a_time_scale_on_a_trace_without_arrivals_is_refused(command, capsys):
-    err = refused([command, "--trace", SHAREGPT, "--time-scale", "0.5"], capsys)
+def test_a_time_scale_on_a_trace_without_arrivals_is_refused(command, tmp_path, capsys):
+    untimed = tmp_path / "u.csv"
+    untimed.write_text("num_prefill_tokens,num_decode_tokens\n10,5\n20,5\n")
+    err = refused([command, "--trace", str(untimed), "--time-scale", "0.5"], capsys)
     assert "--time-scale scales arrived_at, which this trace does not have" in err
 
 

@@ -189,14 +189,13 @@ class PrefixSettings:
             v = getattr(self, name)
             if not (v >= 0 and math.isfinite(v)):
                 raise BadArgument(f"{name} must be a finite number >= 0, got {v}")
+            if v * 1e9 > MAX_TIER_BYTES:
+                raise BadArgument(f"{name} must be at most {MAX_TIER_BYTES / 1e9:.3g} GB (a "
+                                  f"64-bit byte offset), got {v:g}")
         for name in ("host_to_device_gbps", "device_to_host_gbps", "disk_read_gbps",
                      "disk_write_gbps"):
             if getattr(self, name) not in BANDWIDTH_GBPS:
                 raise BadArgument(f"{name} must be {BANDWIDTH_GBPS}, got {getattr(self, name)}")
-        for name in ("device_gb", "host_gb", "disk_gb"):
-            if getattr(self, name) * 1e9 > MAX_TIER_BYTES:
-                raise BadArgument(f"{name} must be at most {MAX_TIER_BYTES / 1e9:.3g} GB (a "
-                                  f"64-bit byte offset), got {getattr(self, name):g}")
         if not (isinstance(self.prefetch, int) and self.prefetch >= 0):
             raise BadArgument(f"prefetch must be an integer >= 0, got {self.prefetch!r}")
 
