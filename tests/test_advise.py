@@ -5,6 +5,9 @@ in one line before any run."""
 from __future__ import annotations
 
 import json
+import re
+import shlex
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -215,3 +218,25 @@ def test_the_plot_has_a_line_per_policy_at_the_same_loads(trace_csv, tmp_path, c
     lead, other = json.loads(capsys.readouterr().out)["cards"][0]["policies"]
     assert {p["load"] for p in lead["probes"]} <= {p["load"] for p in other["probes"]}
     assert min(p["load"] for p in lead["probes"]) < lead["load"] // 2    # it reaches light loads
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.skipif(not (ROOT.parent / "shared" / "traces" / "azure_conv_2023.csv").exists(),
+                    reason="the shared traces are absent")
+def test_the_example_in_the_docs_is_what_advise_prints_today(monkeypatch, capsys):
+    """docs/advise.md shows the command's output on 1,000 requests (the first card, then the
+    table): a change that moves a figure must show the page's reader the new one (the
+    simulation is deterministic; ~10 s)."""
+    page = (ROOT / "docs" / "advise.md").read_text()
+    command = re.search(r"```sh\n(odma-hw advise .*?)\n```", page, re.S).group(1)
+    argv = shlex.split(command.replace("\\\n", " "))[1:]
+    assert "--requests" in argv and "1,000 requests (`--requests 1000`" in page
+    argv[argv.index("--requests") + 1] = "1000"
+    shown = re.search(r"```text\n(.*?)```", page, re.S).group(1)
+    monkeypatch.chdir(ROOT)
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    for part in shown.strip().split("\n\n"):    # the first card's lines, then the table
+        assert part in printed, "rerun the command and paste its output into the page"
