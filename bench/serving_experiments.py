@@ -5,8 +5,8 @@ every policy side by side on three memories.
     .venv/bin/python bench/serving_experiments.py paper [--requests N]
         [--max-num-batched-tokens N] [--preemption swap]
     .venv/bin/python bench/serving_experiments.py map   [--requests N] [--out DIR]
-        [--max-num-batched-tokens N] [--preemption swap]
-    .venv/bin/python bench/serving_experiments.py policies [--requests N]
+        [--max-num-batched-tokens N] [--preemption swap] [--rows TEXT]
+    .venv/bin/python bench/serving_experiments.py policies [--requests N] [--rows TEXT]
     .venv/bin/python bench/serving_experiments.py prefix [--requests N]
 
 `policies` sets ODMA, paging and the extent policies side by side on three memories (the
@@ -100,6 +100,11 @@ def _saturated(trace, policies, rate, **kw):
     return {r["policy"]: r for r in simulate(trace, policies, (rate,), **kw)}
 
 
+def _map_lead(axis, value, label) -> str:
+    """A map row's leading cells, as printed (and as --rows selects them)."""
+    return f"| {axis} | {value} | `{label}` |"
+
+
 def map_(args) -> None:
     """Paged vs contiguous ODMA across the axes that decide it, at a saturating load; and the
     elastic policy against the better of the two."""
@@ -115,6 +120,8 @@ def map_(args) -> None:
 
     def run(label, axis, value, policies=("odma", "paged", "oracle", "elastic"), rate=8.0,
             trace=trace, **kw):
+        if args.rows not in _map_lead(axis, value, label):
+            return
         t0 = time.perf_counter()
         got = _saturated(trace, policies, rate, **{**base, **kw})
         odma, paged = got["odma"], got["paged"]
@@ -158,7 +165,7 @@ def map_(args) -> None:
           "oracle-contiguous tok/s | elastic tok/s | elastic / better |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for axis, value, label, o, p, orc, el in rows:
-        print(f"| {axis} | {value} | `{label}` | {o['output_tps']:.0f} | {p['output_tps']:.0f} | "
+        print(f"{_map_lead(axis, value, label)} {o['output_tps']:.0f} | {p['output_tps']:.0f} | "
               f"{p['output_tps'] / o['output_tps']:.2f} | {o['mean_batch']:.1f} / "
               f"{p['mean_batch']:.1f} | {o['mean_step_s'] * 1e3:.1f} / "
               f"{p['mean_step_s'] * 1e3:.1f} | {o['utilization']:.3f} / {p['utilization']:.3f} | "
@@ -210,6 +217,10 @@ def policies(args) -> None:
         for name in ("azure_conv_2023", "sharegpt_8k"):
             for chunk in (None, 2048):
                 for mode in ("recompute", "swap"):
+                    sched = "prefill-first" if chunk is None else f"chunked {chunk}"
+                    lead = f"| {label} (`{flags}`) | {name} | {sched} | {mode} |"
+                    if args.rows not in lead:
+                        continue
                     t0 = time.perf_counter()
                     same = dict(requests=args.requests, max_model_len=8192, clip=True,
                                 seed=args.seed, predictor=args.predictor,
@@ -223,8 +234,7 @@ def policies(args) -> None:
                     tps = {p: got[p]["output_tps"] for p in cols}
                     gain = max(tps[p] for p in ("extent", "elastic", "none")) / max(
                         tps["odma"], tps["paged"])
-                    sched = "prefill-first" if chunk is None else f"chunked {chunk}"
-                    print(f"| {label} (`{flags}`) | {name} | {sched} | {mode} | "
+                    print(f"{lead} "
                           + " | ".join(f"{tps[p]:.1f}" for p in cols)
                           + f" | {gain:.2f} | "
                           + " / ".join(str(got[p]["preemptions"]) for p in cols)
@@ -331,7 +341,13 @@ def main() -> int:
                    help="paper, map: chunked prefill with N tokens per step on every run")
     p.add_argument("--preemption", default="recompute", choices=("recompute", "swap"),
                    help="paper, map: what a preemption does on every run")
+    p.add_argument("--rows", default="", metavar="TEXT",
+                   help="map, policies: only the rows whose leading cells (the map's axis, "
+                        "value and flags; the memory, trace, scheduler and preemption) hold "
+                        "TEXT, e.g. to rerun one row of a page's table")
     args = p.parse_args()
+    if args.rows and args.experiment not in ("map", "policies"):
+        p.error("--rows applies to map and policies")
     if args.experiment != "prefix" and not TRACES.is_dir():
         p.error(f"no traces at {TRACES} (set ODMA_TRACES)")
     EXPERIMENTS[args.experiment](args)
