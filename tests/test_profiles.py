@@ -109,6 +109,20 @@ def test_the_saturated_set_is_reported_beside_the_target_set_not_in_it(capsys, b
     assert doc["summary"]["rows"] == sum(len(p[9]) for p in fp.POINTS)
 
 
+def test_the_published_table_in_the_docs_is_what_the_bench_prints_today(capsys, bench):
+    """docs/fidelity.md's table of published points and its summary line are the bench's
+    output: a change that moves a figure must show the page's reader the new one."""
+    fp = bench("fidelity_published")
+    assert fp.main([]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    page = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "fidelity.md").read_text()
+    rows = [line for line in printed if line.startswith("| P")]
+    assert rows and rows == [line for line in page.splitlines() if line.startswith("| P")], (
+        "rerun .venv/bin/python bench/fidelity_published.py and put its table into the page")
+    summary = next(line for line in printed if line.startswith("mean absolute error"))
+    assert f"\n{summary} " in page
+
+
 def test_the_published_table_can_take_the_card_defaults_instead_of_the_profiles(bench):
     """--profiles v1-defaults drops only the V1 profiles (the table before they were fitted),
     --profiles none every profile (one set of overheads for every card)."""
