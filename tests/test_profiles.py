@@ -110,8 +110,9 @@ def test_the_saturated_set_is_reported_beside_the_target_set_not_in_it(capsys, b
 
 
 def test_the_published_table_in_the_docs_is_what_the_bench_prints_today(capsys, bench):
-    """docs/fidelity.md's table of published points and its summary line are the bench's
-    output: a change that moves a figure must show the page's reader the new one."""
+    """docs/fidelity.md's table of published points and its summary line, and the saturated
+    set's summary, are the bench's output: a change that moves a figure must show the page's
+    reader the new one."""
     fp = bench("fidelity_published")
     assert fp.main([]) == 0
     printed = capsys.readouterr().out.splitlines()
@@ -121,6 +122,10 @@ def test_the_published_table_in_the_docs_is_what_the_bench_prints_today(capsys, 
         "rerun .venv/bin/python bench/fidelity_published.py and put its table into the page")
     summary = next(line for line in printed if line.startswith("mean absolute error"))
     assert f"\n{summary} " in page
+    assert fp.main(["--set", "saturated", "--json"]) == 0
+    m = json.loads(capsys.readouterr().out)["summaries"]["saturated"]
+    assert (f"mean absolute error {100 * m['mae']:.1f} % over {m['rows']} rows, "
+            f"{m['beyond_20pct']} beyond 20 %") in page
 
 
 def test_the_published_table_can_take_the_card_defaults_instead_of_the_profiles(bench):
