@@ -226,3 +226,19 @@ def test_a_few_requests_of_a_large_granularity_show_their_progress(capsys):
     err = capsys.readouterr().err
     assert err.startswith("emulating 3 requests on lpddr5-6400 ...")
     assert "timing: 100 % of" in err
+
+
+def test_a_long_trace_file_shows_its_progress_and_a_short_one_none(tmp_path, capsys):
+    # a trace's size is known once it is read: 3 x 64 MiB shows its progress as the generated
+    # run above does, 2 x 64 B prints its table alone
+    long, short = tmp_path / "long.trace", tmp_path / "short.trace"
+    long.write_text("".join(f"{i << 26:#x} R {64 << 20}\n" for i in range(3)))
+    short.write_text("0x0 R 64\n0x1000 W 64\n")
+    assert main(["emulate", "--trace", str(long), "--granularity", "64"]) == 0
+    err = capsys.readouterr().err
+    assert err.startswith("emulating 3 requests on lpddr5-6400 ...")
+    assert "timing: 100 % of" in err
+    assert main(["emulate", "--trace", str(short), "--granularity", "64"]) == 0
+    assert capsys.readouterr().err == ""
+    assert main(["emulate", "--trace", str(long), "--granularity", "64", "--json"]) == 0
+    assert capsys.readouterr().err == ""

@@ -16,7 +16,8 @@ OPTION_UNITS = {"granularity": "B", "interleave": "B", "footprint": "B"}
 GENERATED_DEFAULTS = {"pattern": "rand", "requests": "200000", "footprint": None,
                       "write_ratio": None, "seed": 1}
 # a generated run whose requests carry more bytes than this shows its progress: a few requests
-# of a large granularity are as long as millions of small ones
+# of a large granularity are as long as millions of small ones; a trace file's run, whose size
+# is known only once the file is read, when it times more 64-byte accesses than that
 PROGRESS_BYTES = 2_000_000 * 64
 
 
@@ -116,17 +117,32 @@ def _write_ratio(wr):
 class _Progress:
     """How far a long run is, on stderr: a first line once the arguments are accepted, then the
     timing run's progress, one line updated in place on a terminal (each percent), otherwise one
-    line per tenth of the accesses."""
+    line per tenth of the accesses. `long_run` None: a trace file's run, long or not by the
+    accesses it times (the first line then comes with the timing's start)."""
 
-    def __init__(self, stream, spec: str):
+    def __init__(self, stream, spec: str, long_run: bool | None):
         self.stream = stream
         self.spec = spec
+        self.long_run = long_run
+        self.requests = 0
         self.tty = stream.isatty()
         self.shown = -1  # the last percent (terminal) or tenth (otherwise) shown
 
+    def _announce(self) -> None:
+        print(f"emulating {self.requests} requests on {self.spec} ...", file=self.stream,
+              flush=True)
+
     def __call__(self, stage: str, done: int, total: int) -> None:
         if stage == "trace":
-            print(f"emulating {total} requests on {self.spec} ...", file=self.stream, flush=True)
+            self.requests = total
+            if self.long_run:
+                self._announce()
+            return
+        if self.long_run is None:
+            self.long_run = total * 64 > PROGRESS_BYTES
+            if self.long_run:
+                self._announce()
+        if not self.long_run:
             return
         percent = 100 * done // max(1, total)
         mark = percent if self.tty else percent // 10
@@ -160,8 +176,9 @@ def compute(args) -> dict:
     requests = _int(g["requests"], "--requests")
     footprint = _int(g["footprint"], "--footprint") if g["footprint"] is not None else None
     wr = _write_ratio(g["write_ratio"])
-    long_run = requests * granularity > PROGRESS_BYTES and args.trace is None
-    progress = _Progress(sys.stderr, args.spec) if long_run and not args.json else None
+    long_run = None if args.trace is not None else requests * granularity > PROGRESS_BYTES
+    progress = (_Progress(sys.stderr, args.spec, long_run)
+                if long_run is not False and not args.json else None)
     try:
         stats = emulate(args.spec, g["pattern"], granularity, requests,
                         write_ratio=0.0 if wr is None else wr, refresh=args.refresh,
