@@ -2,7 +2,8 @@
 of the policies table, rerun by bench/serving_experiments.py --rows, print as their page shows
 them. The rows are those a change of the step model moves first (the A100's, whose steps are
 compute-bound at the batch cap; a chunked-prefill row); the whole tables take 10-30 minutes
-each, a row 20 s. A failure names the command whose output the page needs."""
+each, a row 20 s. The prefix-cache tables, 10 s in all, are held whole. A failure names the
+command whose output the page needs."""
 
 from __future__ import annotations
 
@@ -37,6 +38,20 @@ def test_a_row_rerun_prints_as_its_page_shows_it(experiment, row, page, tmp_path
     assert shown == printed, (f"docs/{page} shows another row than `.venv/bin/python "
                               f"bench/serving_experiments.py {experiment}` prints today: rerun "
                               "it and put its table into the page")
+
+
+@pytest.mark.skipif(not TRACES.is_dir(), reason="the shared traces are absent")
+def test_the_prefix_cache_tables_rerun_print_as_their_page_shows_them():
+    """The prefix experiment is short (10 s): every row of its three tables."""
+    done = subprocess.run([sys.executable, "bench/serving_experiments.py", "prefix"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    printed = [line for line in done.stdout.splitlines() if line.startswith("|")]
+    shown = [line for line in (ROOT / "docs" / "prefix-cache.md").read_text().splitlines()
+             if line.startswith("|")]
+    assert printed and shown == printed, ("docs/prefix-cache.md shows other rows than "
+                                          "`.venv/bin/python bench/serving_experiments.py "
+                                          "prefix` prints today: put its tables into the page")
 
 
 def test_rows_is_refused_where_it_would_select_nothing():
