@@ -18,6 +18,7 @@ from allocator.serving.sim import advise as adv
 from allocator.serving.sim.simulation import simulate
 from allocator.trace import RequestTrace
 
+ROOT = Path(__file__).resolve().parents[1]
 POLICIES = ["odma", "paged", "elastic", "static"]
 # a small pool, so that the policies differ in what they hold and so in goodput
 PRESSED = {"slo": adv.parse_slo("ttft:1000,tpot:40"), "kv_pool_gb": 0.2, "requests": None}
@@ -219,8 +220,6 @@ def test_the_plot_has_a_line_per_policy_at_the_same_loads(trace_csv, tmp_path, c
     assert {p["load"] for p in lead["probes"]} <= {p["load"] for p in other["probes"]}
     assert min(p["load"] for p in lead["probes"]) < lead["load"] // 2    # it reaches light loads
 
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.skipif(not (ROOT.parent / "shared" / "traces" / "azure_conv_2023.csv").exists(),
