@@ -3,7 +3,7 @@ MLU370-X4 cards, the map of where contiguous ODMA blocks beat paging and where t
 every policy side by side on three memories.
 
     .venv/bin/python bench/serving_experiments.py paper [--requests N]
-        [--max-num-batched-tokens N] [--preemption swap]
+        [--max-num-batched-tokens N] [--preemption swap] [--rows TEXT]
     .venv/bin/python bench/serving_experiments.py map   [--requests N] [--out DIR]
         [--max-num-batched-tokens N] [--preemption swap] [--rows TEXT]
     .venv/bin/python bench/serving_experiments.py policies [--requests N] [--rows TEXT]
@@ -59,6 +59,9 @@ def paper(args) -> None:
     for name in ("azure_conv_2023", "sharegpt_8k"):
         for mode in ("replicas", "tp"):
             for cap in (4096, 8192):
+                lead = f"| {name} | {'TP4' if mode == 'tp' else '4 replicas'} | {cap} |"
+                if args.rows not in lead:
+                    continue
                 t0 = time.perf_counter()
                 kw = dict(requests=args.requests, max_model_len=cap, clip=True,
                           tp=4 if mode == "tp" else 1, replicas=4 if mode == "replicas" else 1,
@@ -77,8 +80,7 @@ def paper(args) -> None:
                         break
                     prev = odma["rate"]
                 odma, static = pairs[-1]
-                print(f"| {name} | {'TP4' if mode == 'tp' else '4 replicas'} | {cap} | "
-                      f"{crossover} | {odma['rate']:g} | {static['output_tps']:.0f} | "
+                print(f"{lead} {crossover} | {odma['rate']:g} | {static['output_tps']:.0f} | "
                       f"{odma['output_tps']:.0f} | {odma['output_tps'] / static['output_tps']:.2f}"
                       f" | {static['utilization']:.3f} | {odma['utilization']:.3f} | "
                       f"{odma['preemptions']} / {odma['migrations']} | "
@@ -342,12 +344,13 @@ def main() -> int:
     p.add_argument("--preemption", default="recompute", choices=("recompute", "swap"),
                    help="paper, map: what a preemption does on every run")
     p.add_argument("--rows", default="", metavar="TEXT",
-                   help="map, policies: only the rows whose leading cells (the map's axis, "
-                        "value and flags; the memory, trace, scheduler and preemption) hold "
-                        "TEXT, e.g. to rerun one row of a page's table")
+                   help="paper, map, policies: only the rows whose leading cells (the "
+                        "trace, cards and max-model-len; the map's axis, value and flags; the "
+                        "memory, trace, scheduler and preemption) hold TEXT, e.g. to rerun one "
+                        "row of a page's table")
     args = p.parse_args()
-    if args.rows and args.experiment not in ("map", "policies"):
-        p.error("--rows applies to map and policies")
+    if args.rows and args.experiment == "prefix":
+        p.error("--rows applies to paper, map and policies")
     if args.experiment != "prefix" and not TRACES.is_dir():
         p.error(f"no traces at {TRACES} (set ODMA_TRACES)")
     EXPERIMENTS[args.experiment](args)
