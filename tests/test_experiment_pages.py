@@ -55,7 +55,7 @@ def test_the_prefix_cache_tables_rerun_print_as_their_page_shows_them():
                                           "prefix` prints today: put its tables into the page")
 
 
-def test_rows_is_refused_where_it_would_select_nothing():
+def test_rows_is_refused_by_the_prefix_experiment_it_does_not_apply_to():
     done = subprocess.run([sys.executable, "bench/serving_experiments.py", "prefix", "--rows",
                            "x"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
