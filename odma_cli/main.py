@@ -32,7 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = Parser(
         prog="odma-hw",
         description="Measure whether device memory is random-access-constrained (RACM), emulate "
-                    "LPDDR5 timing, and replay KV-cache allocation policies.")
+                    "LPDDR5 timing, and serve a request trace with each KV-cache allocation "
+                    "policy (replayed, simulated or on a real engine): its memory use, "
+                    "tokens/s and latencies.")
     parser.add_argument("--version", action="version", version=f"odma-hw {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
     for module, commands in by_module().items():

@@ -1,4 +1,4 @@
-"""Card files (`odma-hw simulate --device CARD`): the presets are files with the numbers they
+"""Card files (`odma-hw simulate --card CARD`): the presets are files with the numbers they
 always had, a user's TOML or JSON card serves as a preset does, every timing source a card may
 name works, every bad card is refused in one line before any work, and `simulate --list`."""
 

@@ -384,7 +384,7 @@ def register(subparsers) -> None:
     from allocator.serving.models import DTYPES, shipped_configs
 
     p = subparsers.add_parser(
-        "calibrate", help="measure a torch device and write a card file for simulate --device",
+        "calibrate", help="measure a torch device and write a card file for simulate --card",
         description="Measure on a torch device what a card file needs, so that `odma-hw "
                     "simulate --device CARD` predicts `odma-hw engine` there: the bandwidth of "
                     "random contiguous runs by size, sequential and copy bandwidth (by the "
