@@ -16,6 +16,23 @@ def parse_line(parser, argv: list, at: int = 0) -> argparse.Namespace:
     return parser.parse_args([*argv[:at], *flags, *argv[at:]]) if flags else args
 
 
+def given(args, defaults: dict) -> list[str]:
+    """The options of `defaults` (dest -> default) that the command line gave: their parser
+    default is None, so that an option given can be told from one left at its default."""
+    return [name for name in defaults if getattr(args, name) is not None]
+
+
+def with_defaults(args, defaults: dict) -> dict:
+    """Each option of `defaults` as the command line gave it, else its default."""
+    return {name: default if getattr(args, name) is None else getattr(args, name)
+            for name, default in defaults.items()}
+
+
+def flag_names(dests) -> str:
+    """['write_ratio', 'seed'] -> '--write-ratio, --seed', for a message."""
+    return ", ".join("--" + d.replace("_", "-") for d in dests)
+
+
 def _number(text: str, kind):
     try:
         return kind(text)

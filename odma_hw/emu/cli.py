@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import sys
 
-from odma_cli import jsonout
+from odma_cli import argtypes, jsonout
 from odma_cli.commands import ValueCheck
 from odma_cli.errors import BadArgument
 
@@ -15,10 +15,12 @@ OPTION_UNITS = {"granularity": "B", "interleave": "B", "footprint": "B"}
 # that one given beside --trace, which replaces them, is refused rather than ignored)
 GENERATED_DEFAULTS = {"pattern": "rand", "requests": "200000", "footprint": None,
                       "write_ratio": None, "seed": 1}
-# a generated run whose requests carry more bytes than this shows its progress: a few requests
-# of a large granularity are as long as millions of small ones; a trace file's run, whose size
-# is known only once the file is read, when it times more 64-byte accesses than that
-PROGRESS_BYTES = 2_000_000 * 64
+# a run that times more accesses than this shows its progress. A generated run is judged before
+# it starts, by its bytes counted in 64-byte accesses (a few requests of a large granularity are
+# as long as millions of small ones); a trace file's run, whose size is known only once the file
+# is read, by the accesses it times.
+PROGRESS_ACCESSES = 2_000_000
+PROGRESS_BYTES = PROGRESS_ACCESSES * 64
 
 
 def warm_up() -> None:
@@ -99,13 +101,12 @@ def _int(text: str, what: str) -> int:
 def _generated(a, names=tuple(GENERATED_DEFAULTS)) -> dict:
     """The generated traffic's options `names`, defaults filled in; BadArgument where one is
     given beside --trace."""
-    given = [name for name in names if getattr(a, name) is not None]
+    defaults = {name: GENERATED_DEFAULTS[name] for name in names}
+    given = argtypes.given(a, defaults)
     if a.trace is not None and given:
         raise BadArgument(f"--trace replaces the generated traffic: "
-                          f"{', '.join('--' + n.replace('_', '-') for n in given)} would do "
-                          f"nothing beside it")
-    return {name: GENERATED_DEFAULTS[name] if getattr(a, name) is None else getattr(a, name)
-            for name in names}
+                          f"{argtypes.flag_names(given)} would do nothing beside it")
+    return argtypes.with_defaults(a, defaults)
 
 
 def _write_ratio(wr):
@@ -139,7 +140,7 @@ class _Progress:
                 self._announce()
             return
         if self.long_run is None:
-            self.long_run = total * 64 > PROGRESS_BYTES
+            self.long_run = total > PROGRESS_ACCESSES
             if self.long_run:
                 self._announce()
         if not self.long_run:

@@ -386,7 +386,7 @@ def register(subparsers) -> None:
     p = subparsers.add_parser(
         "calibrate", help="measure a torch device and write a card file for simulate --card",
         description="Measure on a torch device what a card file needs, so that `odma-hw "
-                    "simulate --device CARD` predicts `odma-hw engine` there: the bandwidth of "
+                    "simulate --card CARD` predicts `odma-hw engine` there: the bandwidth of "
                     "random contiguous runs by size, sequential and copy bandwidth (by the "
                     "native probe of the same memory where odma-hw has one, else torch's gather: "
                     "--memory; written beside the card as an `odma-hw probe --json` file, "

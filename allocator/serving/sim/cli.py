@@ -73,8 +73,7 @@ def compute(args, results: list | None = None, failed: list | None = None,
                else load_engine_profile(args.engine_profile))
     prefix = None
     if args.prefix_cache:
-        c = {k: v if getattr(args, k) is None else getattr(args, k)
-             for k, v in PREFIX_CACHE_DEFAULTS.items()}
+        c = argtypes.with_defaults(args, PREFIX_CACHE_DEFAULTS)
         prefix = PrefixSettings(device_gb=c["cache_device_gb"], host_gb=c["cache_host_gb"],
                                 disk_gb=c["cache_disk_gb"], eviction=c["eviction"],
                                 schedule=c["prefix_schedule"], prefetch=c["prefetch"],
@@ -117,10 +116,10 @@ def idle_options(args) -> list[str]:
     lines = []
     if args.chunk_bytes is not None and args.streams == 1:
         lines.append("--chunk-bytes does nothing with one stream: it interleaves --streams > 1")
-    given = [k for k in PREFIX_CACHE_DEFAULTS if getattr(args, k) is not None]
+    given = argtypes.given(args, PREFIX_CACHE_DEFAULTS)
     if given and not args.prefix_cache:
-        lines.append(f"{', '.join('--' + k.replace('_', '-') for k in given)} do"
-                     f"{'es' if len(given) == 1 else ''} nothing without --prefix-cache")
+        lines.append(f"{argtypes.flag_names(given)} do{'es' if len(given) == 1 else ''} "
+                     f"nothing without --prefix-cache")
     return lines
 
 
