@@ -472,6 +472,20 @@ def test_a_folder_where_an_output_file_goes_fails_in_one_line_before_any_cell(
     assert err.count("\n") == 1 and "it is a folder" in err and folder in err, err
 
 
+@pytest.mark.parametrize("name", ["results.csv", "results.parquet", "sweep.json"])
+def test_an_out_holding_files_no_sweep_wrote_is_refused_and_left_as_it_is(
+        tmp_path, capsys, no_cell_runs, name):
+    grid = write_grid(tmp_path / "g.toml", 'command = "emulate"\n[axes]\nrequests = [10]\n')
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / name).write_text("precious data\n")
+    assert main(["sweep", grid, "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and name in err and "another --out" in err, err
+    assert sorted(p.name for p in out.iterdir()) == [name]
+    assert (out / name).read_text() == "precious data\n"
+
+
 @pytest.mark.parametrize("where", ["file", "under a file", "empty"])
 def test_an_out_no_folder_can_be_is_bad_usage_in_one_line_before_any_cell(
         tmp_path, capsys, no_cell_runs, where):

@@ -27,7 +27,8 @@ Where each concern lives:
 Results go to --out DIR (default: GRID's folder, `<grid name>-sweep/`): results.jsonl (the
 log), results.csv (the table, the latest complete attempt of each cell, in cell order) and
 sweep.json (the grid, the environment, how wall times were taken). A results folder that cannot
-be written fails in one line (exit 3), before any cell runs where that can be known.
+be written fails in one line (exit 3), before any cell runs where that can be known; one
+that holds a file of these names without a sweep's log is someone else's and refused (exit 2).
 
 A row holds `cell`, `row`, `hash`, `status` (ok / failed), `error`, `wall_seconds` (compute()
 alone), `warm_up_seconds`, `worker`, `command_line`, then the axes under their option names, then
@@ -259,6 +260,18 @@ def _draw(grid: Grid, rows, metric: str, plot_path: str, view: PlotView, files) 
         raise OutputError(f"--plot {plot_path}: {text} ({', '.join(files)})") from None
 
 
+def _refuse_files_of_no_sweep(out: str, log_path: str) -> None:
+    """BadArgument where --out holds a file a sweep writes but no sweep's log (a sweep's
+    folder always has one, from before its first cell): someone else's results.csv or
+    sweep.json, which the sweep would replace."""
+    if os.path.lexists(log_path):
+        return
+    for name in (TABLE, PARQUET, META):
+        if os.path.isfile(os.path.join(out, name)):
+            raise BadArgument(f"--out {out!r} holds {name} but no sweep's {RESULTS}: the sweep "
+                              f"would overwrite it; give another --out")
+
+
 def run_sweep(grid_path: str, *, out: str | None = None, workers: int | None = None,
               address: str | None = None, resume: bool = False, plot_path: str | None = None,
               metric: str | None = None, retries: int = 1, dry_run: bool = False,
@@ -296,6 +309,8 @@ def run_sweep(grid_path: str, *, out: str | None = None, workers: int | None = N
     if log_holds_anything(log_path) and not resume and not dry_run:
         raise BadArgument(f"{out} already holds sweep results: --resume completes them; remove "
                           f"the folder (or give another --out) to start over")
+    if not dry_run:
+        _refuse_files_of_no_sweep(out, log_path)
     done = _done_cells(cells, log_path, resume)
     skipped = done.count(1)
     if dry_run:
