@@ -11,10 +11,14 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 
 from odma_cli.errors import BadArgument, one_line
 
 MAX_FILE_BYTES = 1 << 20            # such a document is a few KB; a MiB is none of them
+# a pipe's bytes by the pipe (`--card <(...)`): a pipe reads once, and a command reads its
+# documents more than once (a card when the arguments are checked, again where it is used)
+_PIPE_BYTES: dict[tuple[int, int], bytes] = {}
 
 
 def read_bounded(path, what: str, limit: int = MAX_FILE_BYTES) -> bytes:
@@ -22,12 +26,18 @@ def read_bounded(path, what: str, limit: int = MAX_FILE_BYTES) -> bytes:
     when it cannot be read or holds more than `limit` bytes."""
     path = os.fspath(path)
     try:
+        st = os.stat(path)
+        pipe = (st.st_dev, st.st_ino) if stat.S_ISFIFO(st.st_mode) else None
+        if pipe in _PIPE_BYTES:
+            return _PIPE_BYTES[pipe]
         with open(path, "rb") as f:
             raw = f.read(limit + 1)
     except OSError as exc:
         raise BadArgument(f"cannot read {what} {path}: {exc.strerror or exc}") from None
     if len(raw) > limit:
         raise BadArgument(f"{what} {path} is over {limit >> 20} MiB: not a {what}")
+    if pipe:
+        _PIPE_BYTES[pipe] = raw
     return raw
 
 

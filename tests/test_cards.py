@@ -210,6 +210,24 @@ def test_a_toml_card_and_the_same_as_json_simulate_alike(tmp_path, small_trace, 
     assert r["settings"]["mfu"] == 0.5                        # no mfu in the card: the default
 
 
+def test_a_card_from_a_pipe_serves_as_the_same_file_does(tmp_path, small_trace, capsys):
+    """`--card <(...)`: the card is read when the arguments are checked and again where it is
+    used, and a pipe gives its bytes once."""
+    import os
+
+    argv = ["simulate", "--trace", small_trace, "--policy", "odma,paged", "--card"]
+    by_file = run_json(capsys, argv + [write_card(tmp_path, CARD, "card.toml")])
+    read, write = os.pipe()
+    try:
+        os.write(write, toml_text(CARD).encode())
+        os.close(write)
+        by_pipe = run_json(capsys, argv + [f"/dev/fd/{read}"])
+    finally:
+        os.close(read)
+    assert comparable(by_pipe) == comparable(by_file)
+    assert by_pipe["results"][0]["settings"]["device"] == "test-card"
+
+
 def test_the_cards_mfu_replaces_the_default_and_mfu_on_the_command_line_wins(
         tmp_path, small_trace, capsys):
     card = write_card(tmp_path, plain(timing="ideal", mfu=0.3))

@@ -164,7 +164,7 @@ def model_spec(name: str) -> ModelSpec:
         return model_from_config(CONFIG_DIR / f"{name}.json")
     if os.path.isdir(name):
         return model_from_config(os.path.join(name, "config.json"))
-    if os.path.isfile(name):
+    if os.path.exists(name):       # a file, or a pipe (`--model <(...)`)
         return model_from_config(name)
     raise BadArgument(f"unknown --model {name!r}: expected a Hugging Face config.json (or a "
                       f"directory holding one), a shipped config ({', '.join(shipped_configs())})"
