@@ -1,5 +1,7 @@
 """Trace generators and user traces (arrays, text files) with one-line errors."""
 
+import json
+
 import numpy as np
 import pytest
 
@@ -25,6 +27,19 @@ def test_pattern_shapes():
     mixed = generate("mixed", 10000, 64, footprint=MB, burst=32)
     assert 0.4 < mixed.write.mean() < 0.6
     assert generate("rand", 1000, 64, footprint=MB, burst=32, write_ratio=1.0).write.all()
+
+
+def test_a_write_ratio_given_is_kept_and_reported_0_included(capsys):
+    """mixed defaults to half writes, but an explicit 0 is a read-only mixed run, and the
+    config reports the share the run had."""
+    from odma_cli.main import main
+
+    assert not generate("mixed", 1000, 64, footprint=MB, burst=32, write_ratio=0.0).write.any()
+    for given, share in ((["--write-ratio", "0"], 0.0), ([], 0.5)):
+        assert main(["emulate", "--pattern", "mixed", "--requests", "2000", "--json"] + given) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert out["config"]["write_ratio"] == share
+        assert (out["writes"] == 0) == (share == 0.0)
 
 
 @pytest.mark.parametrize("kwargs,match", [

@@ -182,7 +182,7 @@ def compute(args) -> dict:
                 if long_run is not False and not args.json else None)
     try:
         stats = emulate(args.spec, g["pattern"], granularity, requests,
-                        write_ratio=0.0 if wr is None else wr, refresh=args.refresh,
+                        write_ratio=wr, refresh=args.refresh,
                         mode=args.mode, bl=args.bl, address_map_name=args.map,
                         queue=args.queue, queue_unit=args.queue_unit,
                         write_high=args.write_high, write_low=args.write_low,

@@ -15,7 +15,8 @@ from odma_cli.errors import BadArgument
 from odma_hw.emu import state, timing_loop
 from odma_hw.emu.mapping import address_map, decompose, max_accesses, segment_bytes
 from odma_hw.emu.specs import DeviceSpec, derive, device_spec
-from odma_hw.emu.traces import PATTERNS, Trace, check_shape, generate, read_trace_file
+from odma_hw.emu.traces import (PATTERNS, Trace, check_shape, default_write_ratio, generate,
+                                read_trace_file)
 
 REFRESH = {"allbank": state.REF_ALLBANK, "perbank": state.REF_PERBANK, "none": state.REF_NONE}
 PAGE = {"open": state.PAGE_OPEN, "closed": state.PAGE_CLOSED}
@@ -121,7 +122,8 @@ def _check_memory(what: str, accesses: int, peak_bytes: int) -> None:
 
 
 def emulate(spec: str = "lpddr5-6400", pattern: str = "rand", granularity: int = 64,
-            requests: int = 100_000, *, write_ratio: float = 0.0, refresh: str = "allbank",
+            requests: int = 100_000, *, write_ratio: float | None = None,
+            refresh: str = "allbank",
             mode: str | None = None, bl: int | None = None, address_map_name: str = "bg",
             queue: int = 32, queue_unit: str = "burst", write_high: float = 0.8,
             write_low: float = 0.2, channels: int | None = None, page_policy: str = "open",
@@ -130,7 +132,8 @@ def emulate(spec: str = "lpddr5-6400", pattern: str = "rand", granularity: int =
             interleave: int | None = None, threads: int | None = None, record: int = 0,
             progress=None, **pattern_args) -> EmuStats:
     """Emulate `requests` requests of `pattern` (see traces.PATTERNS) at `granularity` bytes, or a
-    user `trace` (a Trace or the path of a text trace), on preset `spec`.
+    user `trace` (a Trace or the path of a text trace), on preset `spec`; write_ratio: the
+    share of a generated trace's writes (None: half for "mixed", else none).
 
     queue: entries per direction, each holding one burst (`queue_unit="burst"`, as gem5 and
     Ramulator count, so that the bytes a queue holds do not depend on the address map) or one
@@ -151,6 +154,7 @@ def emulate(spec: str = "lpddr5-6400", pattern: str = "rand", granularity: int =
     if not _is_int(record) or record < 0:
         raise BadArgument(f"record must be a non-negative integer, not {record!r}")
     if trace is None:
+        write_ratio = default_write_ratio(pattern, write_ratio)
         tr = _generated_trace(dev, amap, pattern, granularity, requests, footprint, seed,
                               write_ratio, progress, pattern_args)
     else:

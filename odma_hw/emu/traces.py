@@ -53,11 +53,21 @@ def _writes(n: int, write_ratio: float, rng) -> np.ndarray:
     return (rng.random(n) < write_ratio).astype(np.uint8)
 
 
+def default_write_ratio(pattern: str, write_ratio: float | None) -> float:
+    """The share of writes a generated trace of `pattern` has: write_ratio where given (0
+    included), else half for "mixed" (read-write traffic is what it is for) and none for the
+    others."""
+    if write_ratio is not None:
+        return write_ratio
+    return 0.5 if pattern == "mixed" else 0.0
+
+
 def generate(pattern: str, n: int, granule: int, *, footprint: int, burst: int,
-             write_ratio: float = 0.0, seed: int = 1, stride: int | None = None,
+             write_ratio: float | None = None, seed: int = 1, stride: int | None = None,
              block_bytes: int = 16384, region_bytes: tuple[int, int] = (64 << 10, 1 << 20),
              start: int = 0) -> Trace:
-    """One of PATTERNS, `n` requests of `granule` bytes within [start, start + footprint)."""
+    """One of PATTERNS, `n` requests of `granule` bytes within [start, start + footprint), a
+    share write_ratio of them writes (None: default_write_ratio)."""
     if pattern not in PATTERNS:
         raise BadArgument(f"unknown pattern {pattern!r}: expected one of {', '.join(PATTERNS)}")
     check_shape(n, granule, footprint, burst)
@@ -95,8 +105,7 @@ def generate(pattern: str, n: int, granule: int, *, footprint: int, burst: int,
         owner = np.repeat(np.arange(lengths.size), lengths)[:n]
         first = np.concatenate(([0], np.cumsum(lengths)[:-1]))
         addr = starts[owner] + (i - first[owner]) * granule
-    if pattern == "mixed" and write_ratio == 0.0:
-        write_ratio = 0.5
+    write_ratio = default_write_ratio(pattern, write_ratio)
     addr = addr.astype(np.int64) + start
     return Trace(addr, np.full(n, granule, np.int64), _writes(n, write_ratio, rng))
 
