@@ -164,15 +164,23 @@ def _tps(capsys) -> tuple[float, str]:
     return json.loads(captured.out)["results"][0]["output_tps"], captured.err
 
 
-@pytest.mark.parametrize("extra, says", [
-    (["--chunk-bytes", "4096"], "--chunk-bytes does nothing with one stream"),
-    (["--cache-host-gb", "3"], "--cache-host-gb does nothing without --prefix-cache"),
-    (["--eviction", "fifo", "--prefetch", "2"],
+@pytest.mark.parametrize("base, extra, says", [
+    ([], ["--chunk-bytes", "4096"], "--chunk-bytes does nothing with one stream"),
+    ([], ["--cache-host-gb", "3"], "--cache-host-gb does nothing without --prefix-cache"),
+    ([], ["--eviction", "fifo", "--prefetch", "2"],
      "--eviction, --prefetch do nothing without --prefix-cache"),
+    (["--card", "h100-sxm"], ["--channels", "4", "--address-map", "xor", "--queue", "2"],
+     "--channels, --address-map, --queue do nothing here: no card is timed by the emulator"),
+    (["--timing", "ideal"], ["--streams", "4"], "--streams does nothing here"),
+    (["--policy", "odma"], ["--layout", "nhd", "--page-tokens", "64"],
+     "--layout, --page-tokens do nothing without the paged policy"),
+    ([], ["--swap-space", "10"], "--swap-space does nothing without --preemption swap"),
+    (["--kv-pool-gb", "1"], ["--memory-utilization", "0.5"],
+     "--memory-utilization does nothing beside --kv-pool-gb"),
 ])
 def test_an_option_the_combination_leaves_idle_is_warned_of_and_changes_nothing(
-        extra, says, timed_trace, capsys):
-    argv = ["simulate", "--trace", timed_trace, "--policy", "paged", "--json"]
+        base, extra, says, timed_trace, capsys):
+    argv = ["simulate", "--trace", timed_trace, "--policy", "paged", "--json"] + base
     assert main(argv) == 0
     plain, err = _tps(capsys)
     assert "warning" not in err
@@ -180,6 +188,18 @@ def test_an_option_the_combination_leaves_idle_is_warned_of_and_changes_nothing(
     tps, err = _tps(capsys)
     assert tps == plain
     assert re.search(rf"^odma-hw simulate: warning: {re.escape(says)}", err, re.M), err
+
+
+@pytest.mark.parametrize("given", [
+    ["--card", "mlu370-x4", "--channels", "4"],           # an emulated card
+    ["--card", "h100-sxm", "--timing", "emu:lpddr5-6400", "--queue", "8"],
+    ["--layout", "nhd"],                                 # the paged policy is run
+    ["--policy", "odma", "--preset", "vllm-v1"],         # the preset's layout, not the user's
+    ["--preemption", "swap", "--swap-space", "10"],
+])
+def test_an_option_that_does_something_is_not_warned_of(given, timed_trace, capsys):
+    assert main(["simulate", "--trace", timed_trace, "--policy", "paged", "--json"] + given) == 0
+    assert "warning" not in capsys.readouterr().err
 
 
 def test_the_prefix_cache_takes_its_stated_defaults_and_the_tiers_given(tmp_path, capsys):

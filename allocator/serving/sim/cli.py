@@ -20,7 +20,7 @@ from odma_cli.errors import BadArgument, RunFailed
 from odma_hw.emu import cli as emulate_cli
 
 from allocator.config import AllocatorConfig
-from allocator.policies import POLICIES
+from allocator.policies import POLICIES, policy
 from allocator.replay import add_policy_arguments
 from allocator.serving.cards.datafile import FRACTION
 from allocator.serving.cards.presets import (DEFAULT_MODEL, DTYPE_BYTES, MODELS, MODEL_ALIASES,
@@ -114,13 +114,37 @@ def idle_options(args) -> list[str]:
     an option is still run (a sweep's grid may cross it with the option that enables it), but
     the user is told."""
     lines = []
+
+    def idle(dests, why):
+        lines.append(f"{argtypes.flag_names(dests)} do{'es' if len(dests) == 1 else ''} "
+                     f"nothing {why}")
+
     if args.chunk_bytes is not None and args.streams == 1:
         lines.append("--chunk-bytes does nothing with one stream: it interleaves --streams > 1")
     given = argtypes.given(args, PREFIX_CACHE_DEFAULTS)
     if given and not args.prefix_cache:
-        lines.append(f"{argtypes.flag_names(given)} do{'es' if len(given) == 1 else ''} "
-                     f"nothing without --prefix-cache")
+        idle(given, "without --prefix-cache")
+    emulated = _off_default(args, EMULATOR_OPTIONS)
+    if emulated and not any((args.timing or accelerator(card).timing).startswith("emu:")
+                            for card in cards_of(args)):
+        idle(emulated, "here: no card is timed by the emulator (see --timing)")
+    pages = _off_default(args, ("page_tokens",) if args.preset else ("layout", "page_tokens"))
+    if pages and not any(policy(p).layout == "paged" for p in parse_policies(args.policy)):
+        idle(pages, "without the paged policy")
+    if args.preemption != "swap" and _off_default(args, ("swap_space",)):
+        idle(["swap_space"], "without --preemption swap")
+    if args.kv_pool_gb is not None and _off_default(args, ("memory_utilization",)):
+        idle(["memory_utilization"], "beside --kv-pool-gb, which sizes the KV pool itself")
     return lines
+
+
+def _off_default(args, dests) -> list[str]:
+    """Of the options `dests`, those set off their parser default (set to it, an option that
+    does nothing changes nothing either)."""
+    from odma_cli.sweep.grid import command_parser
+
+    parser = command_parser(__name__, "simulate")
+    return [d for d in dests if getattr(args, d) != parser.get_default(d)]
 
 
 def _card_emu(args, card: str):
@@ -335,6 +359,10 @@ def _add_model_and_card_arguments(p) -> None:
                    help="emu:PRESET, probe:FILE (odma-hw probe --json output), "
                         "live:torch:DEVICE or ideal (every run at full bandwidth); default: "
                         "the card's timing")
+
+
+# the options _add_emulator_arguments adds: they change a run only where the timing is emu:
+EMULATOR_OPTIONS = ("channels", "interleave", "address_map", "queue", "streams", "chunk_bytes")
 
 
 def _add_emulator_arguments(p) -> None:
