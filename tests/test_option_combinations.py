@@ -190,6 +190,13 @@ def test_an_option_the_combination_leaves_idle_is_warned_of_and_changes_nothing(
     assert re.search(rf"^odma-hw simulate: warning: {re.escape(says)}", err, re.M), err
 
 
+def test_bad_input_beside_an_idle_option_is_one_line_and_no_warning(timed_trace, capsys):
+    assert main(["simulate", "--trace", timed_trace, "--eviction", "fifo",
+                 "--demand-bound", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--demand-bound changes only" in err, err
+
+
 @pytest.mark.parametrize("given", [
     ["--card", "mlu370-x4", "--channels", "4"],           # an emulated card
     ["--card", "h100-sxm", "--timing", "emu:lpddr5-6400", "--queue", "8"],

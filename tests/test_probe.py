@@ -465,6 +465,9 @@ def test_an_emulated_device_measures_the_models_run_and_says_what_paging_costs(p
     (dict(verdict="maybe"), "'verdict' must be one of racm, not-racm, inconclusive"),
     (dict(alpha=5), "'alpha' is a fraction of streaming in (0, 1], got 5"),
     (dict(granularity=8192), "'granularity' 8192 has no figure in 'rand_gbps'"),
+    (dict(copy_gbps="x"), "'copy_gbps' must be a finite number > 0, got 'x'"),
+    (dict(copy_gbps=-1), "'copy_gbps' must be a finite number > 0, got -1"),
+    (dict(peak_gbps={}), "'peak_gbps' must be a finite number > 0, got {}"),
 ])
 def test_a_saved_entry_that_contradicts_itself_is_refused_naming_the_key(tmp_path, capsys,
                                                                          change, says):

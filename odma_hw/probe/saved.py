@@ -32,7 +32,10 @@ def _saved_entry(entry, path: str, i: int) -> ProbeResult:
     if entry["verdict"] not in VERDICTS:
         raise BadArgument(f"{where}: 'verdict' must be one of {', '.join(VERDICTS)}, got "
                           f"{entry['verdict']!r:.60}")
-    for key in ("seq_gbps", "ratio", "alpha"):
+    for key in ("seq_gbps", "ratio", "alpha", "copy_gbps", "peak_gbps"):
+        # copy_gbps and peak_gbps may be absent (or null: no peak known), never wrong
+        if key in ("copy_gbps", "peak_gbps") and entry.get(key) is None:
+            continue
         if not _positive(entry.get(key)):
             raise BadArgument(f"{where}: {key!r} must be a finite number > 0, got "
                               f"{entry.get(key)!r:.60}")
@@ -71,8 +74,8 @@ def _saved_entry(entry, path: str, i: int) -> ProbeResult:
     peak = entry.get("peak_gbps")
     return ProbeResult(
         device=name, kind=str(entry.get("kind", "?")), name=str(entry.get("name", "")),
-        peak_gbps=float(peak) if _positive(peak) else None, seq_gbps=seq,
-        copy_gbps=float(copy) if _positive(copy) else seq, rand_gbps=table, granularity=gran,
+        peak_gbps=None if peak is None else float(peak), seq_gbps=seq,
+        copy_gbps=seq if copy is None else float(copy), rand_gbps=table, granularity=gran,
         ratio=float(entry["ratio"]), alpha=float(entry["alpha"]), verdict=entry["verdict"],
         reason=entry["reason"], threads=threads,
         seq_scaling=scaling("seq_scaling") or {threads: seq},

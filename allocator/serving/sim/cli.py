@@ -222,7 +222,10 @@ def _cmd(args) -> int:
     jsonout.check_series(args)
     if args.plot:
         plotting.check_plot_path(args.plot)
-    for line in idle_options(args):
+    idle = idle_options(args)
+    if idle:        # bad input is one line, so the warnings come once every check has passed
+        compute(args, check_only=True)
+    for line in idle:
         print(f"odma-hw simulate: warning: {line}", file=sys.stderr)
     results: list[dict] = []
     failed: list[dict] = []
