@@ -164,7 +164,9 @@ def test_several_cards_give_one_row_each(trace_csv, capsys):
     (["--device", "mlu370-x4,no-such-card"], "unknown --device 'no-such-card'"),
     (["--slo", "ttft=500"], "--slo takes KEY:MS"),
     (["--slo", "ttft:500,tpot:-1"], "--slo tpot"),
-    (["--slo", "speed:5"], "--slo takes KEY:MS"),
+    (["--slo", "speed:5"], "(e.g. ttft:500,tpot:50)"),     # the example in --slo's syntax
+    (["--slo", "ttft:500,"], "--slo takes KEY:MS items joined by commas"),
+    (["--slo", "ttft:500", "--slo", "tpot:50"], "--slo is given twice"),
     (["--policy", "odma,bogus"], "unknown policy bogus"),
     (["--engine-profile", "vllm-9"], "unknown --engine-profile 'vllm-9'"),
 ])

@@ -62,25 +62,26 @@ ITL_MEAN_GAPS = ("per-request mean gap: the mean is exact (all gaps' sum over th
                  "median and p99 take each gap of a request at its request's mean gap")
 
 
-def parse_goodput(items) -> dict:
+def parse_goodput(items, option: str = "--goodput", joined_by: str = " ") -> dict:
     """--goodput's KEY:MS items (ttft, tpot, e2el, as vllm bench serve --goodput) -> {key:
-    seconds}; BadArgument in one line."""
+    seconds}; BadArgument in one line naming `option`, whose items are `joined_by` apart."""
     out = {}
     for item in items:
         key, sep, value = item.partition(":")
         key = key.strip().lower()
         if not sep or key not in SLO_METRICS:
-            raise BadArgument(f"--goodput takes KEY:MS items with KEY among "
-                              f"{', '.join(SLO_METRICS)} (e.g. ttft:500 tpot:50), not {item!r}")
+            raise BadArgument(f"{option} takes KEY:MS items with KEY among "
+                              f"{', '.join(SLO_METRICS)} (e.g. ttft:500{joined_by}tpot:50), not "
+                              f"{item!r}")
         try:
             ms = float(value)
         except ValueError:
             ms = math.nan
         if not (math.isfinite(ms) and ms > 0):
-            raise BadArgument(f"--goodput {key}: a number of milliseconds > 0 is needed, not "
+            raise BadArgument(f"{option} {key}: a number of milliseconds > 0 is needed, not "
                               f"{value!r}")
         if key in out:
-            raise BadArgument(f"--goodput names {key} twice")
+            raise BadArgument(f"{option} names {key} twice")
         out[key] = ms / 1e3
     return out
 

@@ -60,10 +60,23 @@ WHY_CONCURRENCY = (
 
 def parse_slo(text: str) -> dict:
     """--slo KEY:MS[,KEY:MS...] (ttft, tpot, e2el) -> {key: seconds}; one line when refused."""
+    items = argtypes.comma_items(text)
+    if items is None:
+        raise argparse.ArgumentTypeError(f"--slo takes KEY:MS items joined by commas (e.g. "
+                                         f"ttft:500,tpot:50), not {text!r}")
     try:
-        return parse_goodput([t for t in text.split(",") if t.strip()] or [text])
+        return parse_goodput(items, "--slo", ",")
     except BadArgument as exc:
-        raise argparse.ArgumentTypeError(str(exc).replace("--goodput", "--slo")) from None
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+class _Once(argparse.Action):
+    """An option that may be given once: a second --slo would silently replace the first."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if getattr(namespace, self.dest) is not None:
+            parser.error(f"{option_string} is given twice: give one, its items joined by commas")
+        setattr(namespace, self.dest, values)
 
 
 def meets(result: dict, slo: dict) -> bool:
@@ -445,7 +458,8 @@ def register(subparsers) -> None:
     add_card_argument(p, "side by side")
     p.add_argument("--policy", default=DEFAULT_POLICIES, metavar="P[,P...]",
                    help=f"policies to compare (default {DEFAULT_POLICIES}: one of each layout)")
-    p.add_argument("--slo", type=parse_slo, default=None, metavar="KEY:MS[,KEY:MS]",
+    p.add_argument("--slo", type=parse_slo, default=None, action=_Once,
+                   metavar="KEY:MS[,KEY:MS]",
                    help=f"the p99 bounds a load must meet, in ms, among ttft, tpot, e2el "
                         f"(default {DEFAULT_SLO})")
     add_dtype_argument(p, DTYPE_BYTES, "weight type, as simulate takes it")
