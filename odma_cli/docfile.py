@@ -41,11 +41,12 @@ def read_bounded(path, what: str, limit: int = MAX_FILE_BYTES) -> bytes:
     return raw
 
 
-def _refuse_duplicates(pairs) -> dict:
+def refuse_duplicates(pairs) -> dict:
+    """json's object_pairs_hook that refuses a key given twice (json.loads keeps the last)."""
     keys = [k for k, _ in pairs]
     if len(set(keys)) < len(keys):
         twice = next(k for k in keys if keys.count(k) > 1)
-        raise ValueError(f"duplicate key {twice!r}")    # json.loads would keep the last
+        raise ValueError(f"duplicate key {twice!r}")
     return dict(pairs)
 
 
@@ -60,7 +61,7 @@ def load_document(path, what: str, as_json: bool):
     try:
         text = raw.decode("utf-8-sig")
         if as_json:
-            return json.loads(text, object_pairs_hook=_refuse_duplicates)
+            return json.loads(text, object_pairs_hook=refuse_duplicates)
         return tomlread.loads(text)
     except RecursionError:              # JSON arrays nested thousands deep
         raise BadArgument(f"{what} {path} is not valid JSON: nested too deep") from None

@@ -132,6 +132,20 @@ def test_yaml_and_json_grids_mean_the_same_as_toml(tmp_path, fake_command):
         {"x": 1, "time-scale": 0.5}, {"x": 2, "time-scale": 0.5}]
 
 
+@pytest.mark.parametrize("name, text", [
+    ("g.json", '{"command": "fake", "axes": {"x": [1]}, "axes": {"x": [2]}}'),
+    ("g.yaml", "command: fake\naxes:\n  x: [1]\naxes:\n  x: [2]\n"),
+    ("g.yaml", "command: fake\naxes:\n  x: [1]\n  x: [2]\n"),
+])
+def test_a_key_given_twice_in_a_json_or_yaml_grid_is_refused(tmp_path, fake_command, name,
+                                                              text):
+    if name.endswith(".yaml"):
+        pytest.importorskip("yaml", reason="YAML grids need PyYAML (installed with Ray)")
+    with pytest.raises(BadArgument, match="duplicate key") as exc:
+        sweep.load_grid(write_grid(tmp_path / name, text))     # not the last one, silently
+    assert "\n" not in str(exc.value)
+
+
 @pytest.mark.parametrize("text,match", [
     ('command = "fake"\nsweep = 1\n', "unknown key 'sweep'"),
     ('command = "probe"\n', "command must be one of"),

@@ -108,11 +108,28 @@ def _parse_yaml(raw: bytes) -> dict:
     except ImportError:
         raise BadArgument("YAML grids need PyYAML (installed with Ray: "
                           f"{INSTALL_HINT}); or write the grid as TOML") from None
-    data = yaml.safe_load(raw)
+    class UniqueKeys(yaml.SafeLoader):
+        """PyYAML keeps the last of a key given twice; a grid refuses it, as TOML does."""
+
+    def mapping(loader, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = loader.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise ValueError(f"duplicate key {key!r}")
+            seen.add(key)
+        return loader.construct_mapping(node, deep=deep)
+
+    UniqueKeys.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, mapping)
+    data = yaml.load(raw, Loader=UniqueKeys)
     return {} if data is None else data
 
 
-_PARSERS = {".toml": _parse_toml, ".yaml": _parse_yaml, ".yml": _parse_yaml, ".json": json.loads}
+def _parse_json(raw: bytes) -> dict:
+    return json.loads(raw, object_pairs_hook=docfile.refuse_duplicates)
+
+
+_PARSERS = {".toml": _parse_toml, ".yaml": _parse_yaml, ".yml": _parse_yaml, ".json": _parse_json}
 
 
 def _read_grid_file(path: str) -> dict:
