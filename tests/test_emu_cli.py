@@ -42,6 +42,7 @@ def no_work(monkeypatch):
     (["--requests", "-5"], "positive"),
     (["--spec", "hbm2-2000", "--refresh", "perbank"], "no per-bank refresh"),
     (["--trace", "/nonexistent/trace.txt"], "does not exist"),
+    (["--trace", "/dev/zero"], "'/dev/zero' is a device, not a trace file"),
     (["--seed", "-1"], "seed must be a non-negative integer, not -1"),
     (["--threads", "0"], "threads must be a positive integer, not 0"),
     (["--threads", "-1"], "threads must be a positive integer, not -1"),
@@ -70,6 +71,32 @@ def test_bad_input_is_one_line_and_exit_2(capsys, no_work, argv, match):
     assert err.count("\n") == 1
     import re
     assert re.search(match, err), err
+
+
+@pytest.mark.parametrize("line, says", [
+    ("1" * 100_000 + " R", "bad address '1111"),
+    ("-64 R", "address -0x40 is negative"),
+])
+def test_a_bad_trace_line_is_named_in_one_short_line(tmp_path, capsys, line, says):
+    trace = tmp_path / "t.txt"
+    trace.write_text("0 R\n" + line + "\n")
+    assert main(["emulate", "--trace", str(trace)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and len(err) < 300 and f"t.txt line 2: {says}" in err, err
+
+
+def test_a_trace_from_a_pipe_is_emulated(capsys):
+    import os
+
+    read, write = os.pipe()
+    try:
+        os.write(write, b"0 R\n64 W\n")
+        os.close(write)
+        assert main(["emulate", "--trace", f"/dev/fd/{read}", "--json"]) == 0
+    finally:
+        os.close(read)
+    out = json.loads(capsys.readouterr().out)
+    assert (out["reads"], out["writes"]) == (1, 1)
 
 
 def test_a_run_that_would_not_fit_in_available_memory_is_refused(capsys, monkeypatch, no_work):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import stat
 
 import numpy as np
 
@@ -130,7 +131,9 @@ def from_arrays(addr, write=None, size=None, *, granule: int, burst: int, device
 
 
 def _why(a: int, s: int, burst: int, device_bytes: int) -> str:
-    if a < 0 or a + s > device_bytes:
+    if a < 0:
+        return f"address {a:#x} is negative"
+    if a + s > device_bytes:
         return f"address {a:#x} + {s} is beyond the {device_bytes}-byte device"
     if a % burst:
         return f"address {a:#x} is not aligned to the {burst}-byte burst"
@@ -143,13 +146,24 @@ def read_trace_file(path: str, *, granule: int, burst: int, device_bytes: int) -
     """A text trace: one request per line, `ADDRESS R|W [SIZE]` (address decimal or 0x-hex,
     size in bytes, default the granularity). Blank lines and `#` comments are skipped. Errors name
     the file and line."""
-    if os.path.isdir(path):
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        raise BadArgument(f"trace file {path!r} does not exist") from None
+    except OSError as exc:
+        raise BadArgument(f"cannot read trace file {path!r}: {exc.strerror or exc}") from None
+    if stat.S_ISDIR(mode):
         raise BadArgument(f"trace file {path!r} is a directory")
-    if not os.path.isfile(path):
-        raise BadArgument(f"trace file {path!r} does not exist")
+    if not (stat.S_ISREG(mode) or stat.S_ISFIFO(mode)):    # a pipe: `--trace <(...)`
+        raise BadArgument(f"trace file {path!r} is a device, not a trace file")
     addrs, writes, sizes = [], [], []
-    # utf-8-sig: a byte-order mark before the first address is read past, as the CSV reader does
-    with open(path, "r", encoding="utf-8-sig", errors="replace") as f:
+    try:
+        # utf-8-sig: a byte-order mark before the first address is read past, as the CSV
+        # reader does
+        f = open(path, "r", encoding="utf-8-sig", errors="replace")
+    except OSError as exc:
+        raise BadArgument(f"cannot read trace file {path!r}: {exc.strerror or exc}") from None
+    with f:
         for lineno, line in enumerate(f, 1):
             text = line.split("#", 1)[0].strip()
             if not text:
@@ -157,20 +171,20 @@ def read_trace_file(path: str, *, granule: int, burst: int, device_bytes: int) -
             parts = text.split()
             where = f"{path} line {lineno}"
             if len(parts) not in (2, 3):
-                raise BadArgument(f"{where}: expected 'ADDRESS R|W [SIZE]', got {text!r}")
+                raise BadArgument(f"{where}: expected 'ADDRESS R|W [SIZE]', got {text!r:.80}")
             try:
                 a = int(parts[0], 0)
             except ValueError:
-                raise BadArgument(f"{where}: bad address {parts[0]!r}") from None
+                raise BadArgument(f"{where}: bad address {parts[0]!r:.80}") from None
             op = parts[1].upper()
             if op not in ("R", "W"):
-                raise BadArgument(f"{where}: operation must be R or W, not {parts[1]!r}")
+                raise BadArgument(f"{where}: operation must be R or W, not {parts[1]!r:.80}")
             s = granule
             if len(parts) == 3:
                 try:
                     s = int(parts[2], 0)
                 except ValueError:
-                    raise BadArgument(f"{where}: bad size {parts[2]!r}") from None
+                    raise BadArgument(f"{where}: bad size {parts[2]!r:.80}") from None
             if a < 0 or a % burst or s < burst or s % burst or a + s > device_bytes:
                 raise BadArgument(f"{where}: {_why(a, s, burst, device_bytes)}")
             addrs.append(a)
