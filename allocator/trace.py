@@ -99,9 +99,13 @@ class RequestTrace:
                                                                           self.prefix_id])))
             if bad.size:
                 i = int(bad[0])
-                raise BadArgument(f"{name}: request {i} has prefix {self.prefix_id[i]!r} of "
-                                  f"{self.prefix_tokens[i]} tokens in a {self.prompt[i]}-token "
-                                  f"prompt (a named prefix covers 1..prompt tokens)")
+                key, tokens = self.prefix_id[i], self.prefix_tokens[i]
+                if not key:
+                    raise BadArgument(f"{name}: request {i} gives {tokens} prefix tokens but no "
+                                      f"prefix_id: a shared prefix is known by its name")
+                raise BadArgument(f"{name}: request {i} has prefix {key!r} of {tokens} tokens "
+                                  f"in a {self.prompt[i]}-token prompt (a named prefix covers "
+                                  f"1..prompt tokens)")
             length = {}                 # a prefix_id names one prefix: one length, every row
             for i, (key, tokens) in enumerate(zip(self.prefix_id, self.prefix_tokens.tolist())):
                 if key and length.setdefault(key, (tokens, i))[0] != tokens:
@@ -223,6 +227,9 @@ def load_trace(path) -> RequestTrace:
             at = _header(next(reader, []), path)
             timed = ARRIVAL in at
             prefixed = PREFIX_ID in at or OFFER_ID in at
+            if PREFIX_ID in at and PREFIX_TOKENS not in at:
+                raise BadArgument(f"trace {path} has a {PREFIX_ID} column but no "
+                                  f"{PREFIX_TOKENS}: how many prompt tokens each prefix covers")
             # typed arrays: 8 bytes a value, where a list of ints takes 36
             prompt, gen, arrival = array.array("q"), array.array("q"), array.array("d")
             pid, ptok, oid = [], array.array("q"), []

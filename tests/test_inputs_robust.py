@@ -141,6 +141,19 @@ def test_a_duplicate_column_is_refused_by_name(tmp_path, capsys):
     assert "num_prefill_tokens" in one_line(capsys)
 
 
+@pytest.mark.parametrize("text, says", [
+    ("prefix_id,prefix_tokens\n10,5,,5\n", "request 0 gives 5 prefix tokens but no prefix_id"),
+    ("prefix_id,prefix_tokens\n10,5,a,20\n", "prefix 'a' of 20 tokens in a 10-token prompt"),
+    ("prefix_id,prefix_tokens\n10,5,a,\n", "prefix 'a' of 0 tokens"),
+    ("prefix_id\n10,5,a\n", "a prefix_id column but no prefix_tokens"),
+])
+def test_a_prefix_that_is_not_one_says_what_is_missing(tmp_path, capsys, text, says):
+    path = tmp_path / "px.csv"
+    path.write_text("num_prefill_tokens,num_decode_tokens," + text)
+    assert exit_code(["simulate", "--trace", str(path), "--prefix-cache"]) == 2
+    assert says in one_line(capsys)
+
+
 def test_a_prefix_id_given_two_lengths_is_refused_by_row(tmp_path, capsys):
     path = tmp_path / "px.csv"
     path.write_text("num_prefill_tokens,num_decode_tokens,prefix_id,prefix_tokens,offer_id\n"
