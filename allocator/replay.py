@@ -299,7 +299,7 @@ def register(subparsers) -> None:
     p.add_argument("--pool-gib", type=argtypes.positive_float, default=None, metavar="GIB",
                    help="the pool in GiB (2^30 B): the older spelling of --kv-pool-gb, kept "
                         "for older command lines")
-    p.add_argument("--device", default=None,
+    p.add_argument("--device", type=argtypes.nonempty, default=None,
                    help="device holding the pool (default host, else torch:cpu); 'none' = "
                         "accounting only: no memory, no copies, same metrics")
     p.add_argument("--step-seconds", type=argtypes.positive_float, default=0.05,

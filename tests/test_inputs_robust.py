@@ -559,6 +559,7 @@ def test_a_replay_step_finer_than_a_count_of_steps_holds_is_refused(tmp_path, ca
 
 @pytest.mark.parametrize("argv", [
     ["replay", "--trace", "{trace}", "--device", "none", "--plot", ""],
+    ["replay", "--trace", "{trace}", "--device", ""],
     ["simulate", "--trace", "{trace}", "--plot", " "],
     ["simulate", "--trace", "{trace}", "--timing", ""],
     ["advise", "--trace", "{trace}", "--plot", ""],
