@@ -36,6 +36,7 @@ def test_every_recorded_command_obeys_every_timing_rule(spec, pattern, gmul, wri
                                                         small_footprint):
     if refresh == "perbank" and spec in NO_PERBANK:
         refresh = "none"
+    wck = wck and bool(derive(device_spec(spec).channel).cas_sync)   # LPDDR5's alone
     g = device_spec(spec).channel.burst_bytes * gmul
     s, d = run(spec, pattern=pattern, granularity=g, write_ratio=write_ratio, address_map_name=amap,
                refresh=refresh, page_policy=page, scheduler=sched, queue=queue, queue_unit=unit,

@@ -41,6 +41,7 @@ def no_work(monkeypatch):
     (["--write-ratio", "1.5"], r"\[0, 1\]"),
     (["--requests", "-5"], "positive"),
     (["--spec", "hbm2-2000", "--refresh", "perbank"], "no per-bank refresh"),
+    (["--spec", "hbm2-2000", "--wck-always-on"], "WCK always on applies to LPDDR5 presets only"),
     (["--trace", "/nonexistent/trace.txt"], "does not exist"),
     (["--trace", "/dev/zero"], "'/dev/zero' is a device, not a trace file"),
     (["--seed", "-1"], "seed must be a non-negative integer, not -1"),

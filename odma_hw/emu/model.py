@@ -82,6 +82,9 @@ def controller_options(dev: DeviceSpec, refresh: str, page_policy: str, schedule
         raise BadArgument(f"unknown refresh mode {refresh!r}: expected allbank, perbank or none")
     if refresh == "perbank" and derive(dev.channel).nRFCpb == 0:
         raise BadArgument(f"{dev.name} has no per-bank refresh in this model: use allbank or none")
+    if wck_always_on and not derive(dev.channel).cas_sync:
+        raise BadArgument(f"WCK always on applies to LPDDR5 presets only (their WCK2CK sync), "
+                          f"not {dev.name}")
     if page_policy not in PAGE:
         raise BadArgument(f"unknown page policy {page_policy!r}: expected open or closed")
     if scheduler not in SCHEDULERS:
