@@ -158,6 +158,20 @@ def test_a_missing_output_folder_is_still_named_missing(tmp_path, capsys):
     assert f"folder {tmp_path / 'no'} does not exist" in err
 
 
+@pytest.mark.parametrize("argv, says", [
+    (["text-analysis", "--turns", "5"], "--turns shapes chat traces: text-analysis takes "
+                                        "--requests, --prefixes"),
+    (["chat", "--requests", "5", "--prefixes", "2"],
+     "--requests, --prefixes shape text-analysis traces: chat takes --conversations"),
+])
+def test_a_workload_refuses_the_other_kinds_options_and_writes_nothing(argv, says, tmp_path,
+                                                                       capsys):
+    out = tmp_path / "w.csv"
+    assert says in refused(["workload", *argv, "--out", str(out)], capsys)
+    assert not out.exists()
+    assert exit_code(["workload", argv[0], "--out", str(out)]) == 0 and out.exists()
+
+
 # ---------------------------------------------------- options a combination leaves idle
 def _tps(capsys) -> tuple[float, str]:
     captured = capsys.readouterr()

@@ -166,6 +166,12 @@ def _at_most(limit: int):
     return parse
 
 
+# each kind's own options and their defaults (None on the command line: not given, so that the
+# other kind's options can be refused)
+KIND_OPTIONS = {"text-analysis": {"requests": 2000, "prefixes": 128},
+                "chat": {"conversations": 400, "system_tokens": 512, "turns": 3.0}}
+
+
 def register(subparsers) -> None:
     from odma_cli import argtypes
 
@@ -178,16 +184,16 @@ def register(subparsers) -> None:
     p.add_argument("kind", choices=list(WORKLOADS))
     p.add_argument("--out", type=argtypes.nonempty, required=True, metavar="CSV",
                    help="file to write")
-    p.add_argument("--requests", type=_at_most(MAX_TRACE_REQUESTS), default=2000,
+    p.add_argument("--requests", type=_at_most(MAX_TRACE_REQUESTS), default=None,
                    help="text-analysis: requests k (default 2000)")
-    p.add_argument("--prefixes", type=_at_most(MAX_TRACE_REQUESTS), default=128,
+    p.add_argument("--prefixes", type=_at_most(MAX_TRACE_REQUESTS), default=None,
                    help="text-analysis: unique templates n (default 128)")
-    p.add_argument("--conversations", type=_at_most(MAX_CONVERSATIONS), default=400,
+    p.add_argument("--conversations", type=_at_most(MAX_CONVERSATIONS), default=None,
                    help="chat: conversations (default 400)")
-    p.add_argument("--system-tokens", type=_at_most(CHAT_MAX_CONTEXT - 2), default=512,
+    p.add_argument("--system-tokens", type=_at_most(CHAT_MAX_CONTEXT - 2), default=None,
                    help=f"chat: system prompt tokens (default 512; a turn must fit after it "
                         f"in {CHAT_MAX_CONTEXT})")
-    p.add_argument("--turns", type=argtypes.positive_float, default=3.0,
+    p.add_argument("--turns", type=argtypes.positive_float, default=None,
                    help="chat: mean turns per conversation (default 3)")
     p.add_argument("--rate", type=argtypes.positive_float, default=None,
                    help="arrivals per second (text-analysis default: all at once; chat: "
@@ -197,14 +203,24 @@ def register(subparsers) -> None:
 
 
 def _cmd(args) -> int:
+    from odma_cli import argtypes
+    from odma_cli.errors import BadArgument
+
     from allocator.trace import check_output_path, write_trace
 
+    other = next(k for k in KIND_OPTIONS if k != args.kind)
+    given = argtypes.given(args, KIND_OPTIONS[other])
+    if given:       # each kind has its own shape: the other's options would change nothing
+        raise BadArgument(f"{argtypes.flag_names(given)} shape{'s' if len(given) == 1 else ''} "
+                          f"{other} traces: {args.kind} takes "
+                          f"{argtypes.flag_names(KIND_OPTIONS[args.kind])}")
     check_output_path(args.out)
+    o = argtypes.with_defaults(args, KIND_OPTIONS[args.kind])
     if args.kind == "text-analysis":
-        trace = text_analysis(args.requests, args.prefixes, rate=args.rate, seed=args.seed)
+        trace = text_analysis(o["requests"], o["prefixes"], rate=args.rate, seed=args.seed)
     else:
-        trace = chat(args.conversations, system_tokens=args.system_tokens,
-                     turns_mean=args.turns, rate=args.rate or 1.0, seed=args.seed)
+        trace = chat(o["conversations"], system_tokens=o["system_tokens"],
+                     turns_mean=o["turns"], rate=args.rate or 1.0, seed=args.seed)
     write_trace(trace, args.out)
     print(f"{args.out}: {trace.name}, {len(trace)} requests, mean prompt "
           f"{trace.prompt.mean():.0f} tokens of which prefix {trace.prefix_tokens.mean():.0f}, "
