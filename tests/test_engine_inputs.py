@@ -389,6 +389,8 @@ def test_loaded_weights_serve_and_pass_the_check(tmp_path, trace, capsys, tiny_s
     (["engine", "--demand-bound", "none", "--policy", "hf"],
      "--demand-bound changes only elastic runs"),
     (["engine", "--cobatch", "4", "--policy", "static"], "--cobatch changes only"),
+    (["engine", "--extent-knee-tokens", "5", "--policy", "odma,paged"],
+     "--extent-knee-tokens changes only extent, elastic runs"),
     (["simulate", "--demand-bound", "1", "--policy", "odma,static", "--timing", "ideal"],
      "--demand-bound changes only elastic runs"),
     (["simulate", "--cobatch", "4", "--policy", "static", "--timing", "ideal"],

@@ -211,21 +211,22 @@ def summary_table(results: list[dict], labels: list[str]) -> list[str]:
     return lines
 
 
-
 # options that change only some policies' runs -> those policies: a demand bound is elastic's
-
-
 # admission plan; co-batching picks requests by bucket tag, and static puts every request in one
-# bucket, so its runs keep arrival order
+# bucket, so its runs keep arrival order; the knee sizes extents
 OPTION_POLICIES = {"--demand-bound": tuple(p for p in POLICIES if policy(p).demand),
-                   "--cobatch": tuple(p for p in POLICIES if policy(p).cobatches)}
+                   "--cobatch": tuple(p for p in POLICIES if policy(p).cobatches),
+                   "--extent-knee-tokens": tuple(p for p in POLICIES if policy(p).knee)}
 
 
-def check_options_used(policies, demand_bound=0.0, cobatch: int = 0) -> None:
+def check_options_used(policies, demand_bound=0.0, cobatch: int = 0,
+                       extent_knee_tokens: int | None = None) -> None:
     """BadArgument for an option of OPTION_POLICIES set (off its default) that changes none of
     `policies`' runs: their results would be the ones without it."""
     given = [option for option, on in (("--demand-bound", demand_bound != 0.0),
-                                       ("--cobatch", cobatch)) if on]
+                                       ("--cobatch", cobatch),
+                                       ("--extent-knee-tokens", extent_knee_tokens is not None))
+             if on]
     for option in given:
         users = OPTION_POLICIES[option]
         if not set(users) & set(policies):
@@ -336,18 +337,21 @@ def add_preset_argument(p) -> None:
     """--preset NAME, after every option it may set has been added to p."""
     known = p._option_string_actions        # argparse keeps no public list of a parser's flags
 
+    def own(flags) -> tuple:
+        """Of a preset's flags, those of this command (the engine has no --layout)."""
+        return tuple(x for flag, value in zip(flags[::2], flags[1::2])
+                     if flag in known for x in (flag, value))
+
     def preset(name: str) -> Preset:
         if name not in PRESETS:
             raise argparse.ArgumentTypeError(f"unknown preset {name!r} (one of "
                                              f"{', '.join(PRESETS)})")
-        flags = PRESETS[name][1]
         got = Preset(name)
-        got.flags = tuple(x for flag, value in zip(flags[::2], flags[1::2])
-                          if flag in known for x in (flag, value))
+        got.flags = own(PRESETS[name][1])
         return got
     p.add_argument("--preset", type=preset, default=None, metavar="NAME",
                    help="another server's defaults, each flag given on the line still winning: "
-                        + "; ".join(f"{name} ({what}: {' '.join(flags)})"
+                        + "; ".join(f"{name} ({what}: {' '.join(own(flags))})"
                                     for name, (what, flags) in PRESETS.items()))
 
 

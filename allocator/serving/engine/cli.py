@@ -55,7 +55,7 @@ def prepare(args):
     if "hf" in policies and ours:
         raise BadArgument(f"--policy hf runs transformers' own scheduler: {ours[0]} is odma-hw's "
                           f"(run hf apart)")
-    check_options_used(policies, args.demand_bound, args.cobatch)
+    check_options_used(policies, args.demand_bound, args.cobatch, args.extent_knee_tokens)
     card = accelerator(args.card, "--card") if args.card else None   # refused now, used or not
     config, folder = load_config(args.model)
     weights = check_weights(folder) if folder else []
