@@ -372,6 +372,7 @@ def bad_cards():
          [], "emu_channels"),
         ("int8-without-tops", base, ["--dtype", "int8"], "tops_int8"),
         ("unknown-dtype", dict(base, dtype="int4"), [], "dtype"),
+        ("dtype-without-its-peak", dict(base, dtype="fp32"), [], "tflops_fp32"),
         ("dtype-not-text", dict(base, dtype=16), [], "dtype"),
         ("fp32-without-tflops", base, ["--dtype", "fp32"], "tflops_fp32"),
         ("bad-toml", "name = \n", [], None),

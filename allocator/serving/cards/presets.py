@@ -432,7 +432,12 @@ def card_fields(path, data) -> dict:
         # the LM head's time is the whole set's less the layers': nothing to take it from
         raise BadArgument(f"card {path}: 'layer_matmul_tflops' needs 'matmul_tflops' (the "
                           f"layers' and the LM head's products together) beside it")
-    return {k: _card_value(path, k, v) for k, v in data.items()}
+    fields = {k: _card_value(path, k, v) for k, v in data.items()}
+    peak = DTYPE_PEAK_KEYS.get(fields.get("dtype"))
+    if peak is not None and fields.get(peak) is None:   # --dtype auto serves the card's dtype
+        raise BadArgument(f"card {path}: 'dtype' {fields['dtype']} (the type its figures are "
+                          f"of) needs {peak!r} beside it")
+    return fields
 
 
 def accelerator(name_or_path, option: str = "--device") -> Accelerator:
