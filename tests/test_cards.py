@@ -402,6 +402,15 @@ def test_a_bad_card_exits_2_with_one_line_naming_file_and_key(case, ext, tmp_pat
     assert not fresh.exists()                             # the emulator never ran
 
 
+def test_a_cards_dtype_without_its_peak_is_refused_when_the_card_is_read(tmp_path):
+    """Not later, as a --dtype the user never gave (--dtype auto takes the card's)."""
+    from odma_cli.errors import BadArgument
+
+    with pytest.raises(BadArgument, match=r"'dtype' fp32 .* needs 'tflops_fp32' beside it"):
+        load_card(write_card(tmp_path, plain(dtype="fp32")))
+    assert load_card(write_card(tmp_path, plain(dtype="fp32", tflops_fp32=10.0))).dtype == "fp32"
+
+
 def refused_in_one_line(argv, capsys, *names) -> str:
     """Run simulate's `argv`: exit 2, one line on stderr that names each of `names`."""
     try:
