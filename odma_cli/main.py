@@ -113,8 +113,9 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser, argpa
 def _run(argv: list[str] | None) -> int:
     """Parse and run one command; odma errors and Ctrl-C become their exit codes."""
     parser, args = parse(argv)
-    if not getattr(args, "func", None):
+    if not getattr(args, "func", None):     # the commands on stdout, the error in one line
         parser.print_help()
+        print("odma-hw: error: no command given: name one of those above", file=sys.stderr)
         return 2
     try:
         return int(args.func(args) or 0)

@@ -76,3 +76,11 @@ def test_a_missing_library_is_one_line_and_exit_2_before_any_work(tmp_path_facto
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr
     assert lines[0].startswith("odma-hw: error:") and says in lines[0], lines
     assert not list(cwd.iterdir())                       # nothing written
+
+
+def test_no_command_lists_the_commands_and_is_bad_usage_in_one_line():
+    proc = run_with_stdout(subprocess.PIPE)
+    assert proc.returncode == 2
+    assert "simulate" in proc.stdout and "probe" in proc.stdout
+    assert proc.stderr.splitlines() == ["odma-hw: error: no command given: name one of those "
+                                        "above"], proc.stderr
