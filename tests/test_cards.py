@@ -913,3 +913,10 @@ def test_the_h100_card_names_the_device_its_probe_measured():
     card = accelerator("h100-sxm")
     probe = json.loads((CARD_DIR / "h100-sxm.probe.json").read_text())
     assert card.device_name == probe["devices"][0]["name"] == "NVIDIA H100 80GB HBM3"
+
+
+def test_a_card_file_with_a_comma_in_its_name_is_one_card(tmp_path, small_trace, capsys):
+    path = write_card(tmp_path, CARD, "a,b.toml")
+    doc = run_json(capsys, ["simulate", "--trace", small_trace, "--policy", "odma", "--card",
+                            path])
+    assert {r["settings"]["device"] for r in doc["results"]} == {"test-card"}

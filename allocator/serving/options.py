@@ -9,6 +9,7 @@ a card's emulator settings (card_emu), and the words and summary table their out
 from __future__ import annotations
 
 import argparse
+import os
 
 import numpy as np
 
@@ -42,8 +43,12 @@ def add_card_argument(p, what: str) -> None:
 
 
 def parse_cards(text: str, option: str = "--card") -> list[str]:
-    """CARD[,CARD...]: each a preset or a card file; BadArgument for an unknown one."""
-    cards = list(dict.fromkeys(argtypes.comma_items(text) or []))
+    """CARD[,CARD...]: each a preset or a card file; BadArgument for an unknown one. A card
+    file whose name has a comma in it is that one file, not a list."""
+    if "," in text and os.path.isfile(text):
+        cards = [text]
+    else:
+        cards = list(dict.fromkeys(argtypes.comma_items(text) or []))
     if not cards:
         raise BadArgument(f"{option}: expected CARD[,CARD...], not {text!r}")
     for card in cards:
