@@ -35,7 +35,8 @@ def read_bounded(path, what: str, limit: int = MAX_FILE_BYTES) -> bytes:
     except OSError as exc:
         raise BadArgument(f"cannot read {what} {path}: {exc.strerror or exc}") from None
     if len(raw) > limit:
-        raise BadArgument(f"{what} {path} is over {limit >> 20} MiB: not a {what}")
+        article = "an" if what[0] in "aeiou" else "a"
+        raise BadArgument(f"{what} {path} is over {limit >> 20} MiB: not {article} {what}")
     if pipe:
         _PIPE_BYTES[pipe] = raw
     return raw
