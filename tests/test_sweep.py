@@ -132,6 +132,11 @@ def test_yaml_and_json_grids_mean_the_same_as_toml(tmp_path, fake_command):
         {"x": 1, "time-scale": 0.5}, {"x": 2, "time-scale": 0.5}]
 
 
+def test_a_folder_given_as_the_grid_is_named_a_folder(tmp_path):
+    with pytest.raises(BadArgument, match="is a folder: give the grid file"):
+        sweep.load_grid(str(tmp_path))
+
+
 @pytest.mark.parametrize("name, text", [
     ("g.json", '{"command": "fake", "axes": {"x": [1]}, "axes": {"x": [2]}}'),
     ("g.yaml", "command: fake\naxes:\n  x: [1]\naxes:\n  x: [2]\n"),

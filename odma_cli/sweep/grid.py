@@ -133,6 +133,8 @@ _PARSERS = {".toml": _parse_toml, ".yaml": _parse_yaml, ".yml": _parse_yaml, ".j
 
 
 def _read_grid_file(path: str) -> dict:
+    if os.path.isdir(path):
+        raise BadArgument(f"grid {path} is a folder: give the grid file (.toml, .yaml or .json)")
     ext = os.path.splitext(path)[1].lower()
     if ext not in _PARSERS:
         raise BadArgument(f"grid {path}: unknown format {ext or '(none)'!r}; use .toml, .yaml "
