@@ -30,7 +30,7 @@ import numpy as np
 
 from odma_cli.commands import ValueCheck
 from odma_cli.errors import BadArgument, OutputError
-from odma_cli.paths import folder_problem
+from odma_cli.paths import folder_problem, refuse_device
 
 # No model serves a request longer than this; a larger count is a corrupt trace.
 MAX_REQUEST_TOKENS = 10_000_000
@@ -184,15 +184,6 @@ def _lines(f, path: str):
         yield line
 
 
-def _check_readable(path: str, f) -> None:
-    """Refuse a device other than a terminal: /dev/zero or /dev/urandom never end, and reading
-    them as a trace only ends when memory does. Pipes and terminals end when their writer
-    stops, so they stay welcome (`--trace /dev/stdin`)."""
-    mode = os.fstat(f.fileno()).st_mode
-    if (stat.S_ISCHR(mode) or stat.S_ISBLK(mode)) and not f.isatty():
-        raise BadArgument(f"trace {path} is a device, not a CSV file")
-
-
 def _header(cols: list[str], path: str) -> dict[str, int]:
     """Column name -> index of the columns load_trace reads; BadArgument for a missing one, or
     for one that appears twice (csv.DictReader would silently keep the last)."""
@@ -222,7 +213,7 @@ def load_trace(path) -> RequestTrace:
         raise BadArgument(f"trace {path} is a directory, not a CSV file")
     try:
         with open(path, newline="", encoding="utf-8-sig") as f:
-            _check_readable(path, f)
+            refuse_device(f, f"trace {path}", "a CSV file")
             reader = csv.reader(_lines(f, path))
             at = _header(next(reader, []), path)
             timed = ARRIVAL in at

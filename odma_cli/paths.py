@@ -1,8 +1,12 @@
-"""Where output goes: why a folder cannot take new files, in the words an error line needs."""
+"""Where output goes and what input is read: why a folder cannot take new files, and which
+files cannot be read as input, in the words an error line needs."""
 
 from __future__ import annotations
 
 import os
+import stat
+
+from odma_cli.errors import BadArgument
 
 
 def folder_problem(folder: str, *, created: bool = False) -> str | None:
@@ -17,3 +21,14 @@ def folder_problem(folder: str, *, created: bool = False) -> str | None:
     if existing != folder and not created:
         return f"folder {folder} does not exist"
     return None
+
+
+def refuse_device(f, subject: str, kind: str) -> None:
+    """BadArgument for an open input `f` that is a device other than a terminal: /dev/zero or
+    /dev/urandom never end, and reading them as input only ends when memory does. Pipes and
+    terminals end when their writer stops, so they stay welcome (`--trace /dev/stdin`,
+    `--trace <(...)`). `subject` and `kind` word the error: "trace X is a device, not a CSV
+    file"."""
+    mode = os.fstat(f.fileno()).st_mode
+    if (stat.S_ISCHR(mode) or stat.S_ISBLK(mode)) and not f.isatty():
+        raise BadArgument(f"{subject} is a device, not {kind}")

@@ -14,6 +14,7 @@ import stat
 import numpy as np
 
 from odma_cli.errors import BadArgument
+from odma_cli.paths import refuse_device
 
 PATTERNS = ("seq", "rand", "strided", "mixed", "paged", "kvscan")
 
@@ -154,8 +155,6 @@ def read_trace_file(path: str, *, granule: int, burst: int, device_bytes: int) -
         raise BadArgument(f"cannot read trace file {path!r}: {exc.strerror or exc}") from None
     if stat.S_ISDIR(mode):
         raise BadArgument(f"trace file {path!r} is a directory")
-    if not (stat.S_ISREG(mode) or stat.S_ISFIFO(mode)):    # a pipe: `--trace <(...)`
-        raise BadArgument(f"trace file {path!r} is a device, not a trace file")
     addrs, writes, sizes = [], [], []
     try:
         # utf-8-sig: a byte-order mark before the first address is read past, as the CSV
@@ -164,6 +163,7 @@ def read_trace_file(path: str, *, granule: int, burst: int, device_bytes: int) -
     except OSError as exc:
         raise BadArgument(f"cannot read trace file {path!r}: {exc.strerror or exc}") from None
     with f:
+        refuse_device(f, f"trace file {path!r}", "a trace file")
         for lineno, line in enumerate(f, 1):
             text = line.split("#", 1)[0].strip()
             if not text:
