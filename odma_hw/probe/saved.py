@@ -32,10 +32,9 @@ def _saved_entry(entry, path: str, i: int) -> ProbeResult:
     if entry["verdict"] not in VERDICTS:
         raise BadArgument(f"{where}: 'verdict' must be one of {', '.join(VERDICTS)}, got "
                           f"{entry['verdict']!r:.60}")
-    for key in ("seq_gbps", "ratio", "alpha", "copy_gbps", "peak_gbps"):
-        # copy_gbps and peak_gbps may be absent (or null: no peak known), never wrong
-        if key in ("copy_gbps", "peak_gbps") and entry.get(key) is None:
-            continue
+    # copy_gbps and peak_gbps may be absent (or null: no peak known), never wrong
+    given = [key for key in ("copy_gbps", "peak_gbps") if entry.get(key) is not None]
+    for key in ("seq_gbps", "ratio", "alpha", *given):
         if not _positive(entry.get(key)):
             raise BadArgument(f"{where}: {key!r} must be a finite number > 0, got "
                               f"{entry.get(key)!r:.60}")
