@@ -12,6 +12,7 @@ plot, allocator/serving/options.py the options it shares with `odma-hw engine`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
 
 from odma_cli import argtypes, jsonout, plotting
@@ -128,7 +129,7 @@ def idle_options(args) -> list[str]:
     if emulated and not any((args.timing or accelerator(card).timing).startswith("emu:")
                             for card in cards_of(args)):
         idle(emulated, "here: no card is timed by the emulator (see --timing)")
-    pages = _off_default(args, ("page_tokens",) if args.preset else ("layout", "page_tokens"))
+    pages = _off_default(args, ("layout", "page_tokens"))
     if pages and not any(policy(p).layout == "paged" for p in parse_policies(args.policy)):
         idle(pages, "without the paged policy")
     if args.preemption != "swap" and _off_default(args, ("swap_space",)):
@@ -139,12 +140,20 @@ def idle_options(args) -> list[str]:
 
 
 def _off_default(args, dests) -> list[str]:
-    """Of the options `dests`, those set off their parser default (set to it, an option that
-    does nothing changes nothing either)."""
+    """Of the options `dests`, those the user set off their parser default (set to it, an
+    option that does nothing changes nothing either); one --preset sets is the preset's."""
+    preset = {flag[2:].replace("-", "_") for flag in (args.preset.flags[::2] if args.preset
+                                                       else ())}
+    defaults = _parser_defaults()
+    return [d for d in dests if d not in preset and getattr(args, d) != defaults[d]]
+
+
+@functools.cache
+def _parser_defaults() -> dict:
+    """simulate's options (dest -> parser default), from its own parser."""
     from odma_cli.sweep.grid import command_parser
 
-    parser = command_parser(__name__, "simulate")
-    return [d for d in dests if getattr(args, d) != parser.get_default(d)]
+    return {a.dest: a.default for a in command_parser(__name__, "simulate")._actions}
 
 
 def _card_emu(args, card: str):
