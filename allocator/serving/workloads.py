@@ -181,20 +181,21 @@ def register(subparsers) -> None:
                     "text-analysis (n templates, k requests) or chat (a system prompt and "
                     "multi-turn conversations). Lengths follow documented distributions; see "
                     "allocator/serving/workloads.py.")
+    TEXT, CHAT = KIND_OPTIONS["text-analysis"], KIND_OPTIONS["chat"]   # the help's defaults
     p.add_argument("kind", choices=list(WORKLOADS))
     p.add_argument("--out", type=argtypes.nonempty, required=True, metavar="CSV",
                    help="file to write")
     p.add_argument("--requests", type=_at_most(MAX_TRACE_REQUESTS), default=None,
-                   help="text-analysis: requests k (default 2000)")
+                   help=f"text-analysis: requests k (default {TEXT['requests']})")
     p.add_argument("--prefixes", type=_at_most(MAX_TRACE_REQUESTS), default=None,
-                   help="text-analysis: unique templates n (default 128)")
+                   help=f"text-analysis: unique templates n (default {TEXT['prefixes']})")
     p.add_argument("--conversations", type=_at_most(MAX_CONVERSATIONS), default=None,
-                   help="chat: conversations (default 400)")
+                   help=f"chat: conversations (default {CHAT['conversations']})")
     p.add_argument("--system-tokens", type=_at_most(CHAT_MAX_CONTEXT - 2), default=None,
-                   help=f"chat: system prompt tokens (default 512; a turn must fit after it "
-                        f"in {CHAT_MAX_CONTEXT})")
+                   help=f"chat: system prompt tokens (default {CHAT['system_tokens']}; a turn "
+                        f"must fit after it in {CHAT_MAX_CONTEXT})")
     p.add_argument("--turns", type=argtypes.positive_float, default=None,
-                   help="chat: mean turns per conversation (default 3)")
+                   help=f"chat: mean turns per conversation (default {CHAT['turns']:g})")
     p.add_argument("--rate", type=argtypes.positive_float, default=None,
                    help="arrivals per second (text-analysis default: all at once; chat: "
                         "conversations per second, default 1)")
